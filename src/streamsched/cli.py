@@ -1,0 +1,187 @@
+"""The `streamsched` command: check, lower, graph, run.
+
+Exit status: 0 clean, 1 on any user-facing error (always a diagnostic with a code, never a
+traceback), 2 on bad command-line usage (argparse).  An internal failure names the pass and asks
+for a bug report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
+
+
+def _print_diags(diags, sources: SourceCache, fmt: str, stream=sys.stderr) -> None:
+    if not diags:
+        return
+    print(render_all(diags, sources, fmt), file=sys.stdout if fmt == "json" else stream)
+
+
+def _compile(args, sources: SourceCache, path: str):
+    from streamsched.pipeline import compile_file
+
+    return compile_file(path, policy=args.policy, capture=getattr(args, "capture", None), sources=sources)
+
+
+def cmd_check(args) -> int:
+    sources = SourceCache()
+    all_diags: list[Diagnostic] = []
+    for path in args.files:
+        try:
+            c = _compile(args, sources, path)
+            all_diags.extend(c.diagnostics)
+        except StreamschedError as e:
+            all_diags.extend(e.diagnostics)
+    errors = [d for d in all_diags if d.severity == "error"]
+    if args.format == "json":
+        _print_diags(all_diags, sources, "json")
+    else:
+        _print_diags(all_diags, sources, "text")
+        if not errors:
+            print(f"ok: {', '.join(args.files)} check{'s' if len(args.files) == 1 else ''} clean", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def cmd_lower(args) -> int:
+    from streamsched.interp.plan_text import format_plan
+
+    sources = SourceCache()
+    try:
+        c = _compile(args, sources, args.file)
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
+    if c.plan is not None:
+        text = format_plan(c.plan, sources)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+    _print_diags(c.diagnostics, sources, "text")
+    return 0 if c.ok else 1
+
+
+def cmd_graph(args) -> int:
+    from streamsched.interp.draw import write_graph
+
+    sources = SourceCache()
+    try:
+        c = _compile(args, sources, args.file)
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
+    if c.plan is None:
+        _print_diags(c.diagnostics, sources, "text")
+        return 1
+    if args.captured:
+        try:
+            from streamsched.interp.cuda.capture_dot import write_captured_dot
+        except ImportError as exc:
+            print(f"error[X020]: --captured needs the CUDA backend: {exc}", file=sys.stderr)
+            return 1
+        write_captured_dot(c, args.output)
+    else:
+        try:
+            write_graph(c.plan, args.output)
+        except (RuntimeError, ValueError, OSError) as exc:
+            print(f"error[X021]: cannot write `{args.output}`: {exc}", file=sys.stderr)
+            return 1
+    print(f"wrote {args.output}", file=sys.stderr)
+    _print_diags(c.diagnostics, sources, "text")
+    return 0 if c.ok else 1
+
+
+def cmd_run(args) -> int:
+    from streamsched.interp.train import TrainOptions, train
+
+    sources = SourceCache()
+    try:
+        c = _compile(args, sources, args.file)
+        if not c.ok:
+            _print_diags(c.diagnostics, sources, "text")
+            return 1
+        opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,
+                            interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
+                            save=args.save, resume=args.resume, max_steps=args.steps,
+                            progress=not args.quiet)
+        res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
+    for r in res.races:
+        _print_diags([r], sources, "text")
+    last = res.history[-1] if res.history else {}
+    acc = last.get("test_acc")
+    us = 1e6 * res.wall_s / max(res.steps, 1)
+    msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included); "
+           f"epoch {last.get('epoch', -1) + 1}: train loss {last.get('train_loss', float('nan')):.4f}")
+    if acc is not None:
+        msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
+    print(msg)
+    return 1 if res.races else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pol = dict(choices=["auto", "chain", "explicit"], default=None, help="barrier policy (overrides the file)")
+    cap = dict(choices=["none", "graphs", "step"], default=None, help="capture mode (overrides the file)")
+
+    c = sub.add_parser("check", help="parse, resolve and prove a schedule race-free")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--format", choices=["text", "json"], default="text")
+    c.add_argument("--policy", **pol)
+    c.add_argument("--capture", **cap)
+    c.set_defaults(fn=cmd_check)
+
+    lo = sub.add_parser("lower", help="print the event plan (per-stream launch / record / wait)")
+    lo.add_argument("file")
+    lo.add_argument("--policy", **pol)
+    lo.add_argument("--capture", **cap)
+    lo.add_argument("-o", "--output")
+    lo.set_defaults(fn=cmd_lower)
+
+    g = sub.add_parser("graph", help="draw the task DAG, one lane per stream (.dot, .svg, .png)")
+    g.add_argument("file")
+    g.add_argument("-o", "--output", required=True)
+    g.add_argument("--policy", **pol)
+    g.add_argument("--capture", **cap)
+    g.add_argument("--captured", action="store_true", help="draw the CUDA graph as captured (needs a GPU)")
+    g.set_defaults(fn=cmd_graph)
+
+    r = sub.add_parser("run", help="train: the main job")
+    r.add_argument("file")
+    r.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
+    r.add_argument("--policy", **pol)
+    r.add_argument("--capture", **cap)
+    r.add_argument("--epochs", type=int)
+    r.add_argument("--steps", type=int, help="stop after this many steps")
+    r.add_argument("--lr", type=float, help="constant learning rate (overrides the schedule)")
+    r.add_argument("--seed", type=int)
+    r.add_argument("--interleave", choices=["fixed", "random"], default="fixed",
+                   help="CPU backend: stream interleaving")
+    r.add_argument("--interleave-seed", type=int, default=0)
+    r.add_argument("--log", help="append one JSON line per epoch")
+    r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch)")
+    r.add_argument("--resume", help="continue from a checkpoint")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(fn=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except InternalError as exc:
+        print(f"internal error (a bug in streamsched, not in your file): {exc}", file=sys.stderr)
+        traceback.print_exc()
+        return 3

@@ -1,0 +1,149 @@
+"""Diagnostics as data: a stable code, a message, a primary span, labelled secondary spans and
+help, rendered in the ruff/rustc form or as JSON (STYLE.md, habit 4).
+
+Families (LANGUAGE.md): P parse, S names/types/shapes, R races/cycles/waits, C capture rules,
+X run time (data, devices).  A code never changes meaning; `docs/errors.md` lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from streamsched.interp.ir import Span
+
+
+@dataclass(frozen=True)
+class Label:
+    """A secondary span with a short note, printed under the primary one."""
+
+    span: Span
+    message: str
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One user-facing finding.  severity is "error" or "warning"; span may be None for
+    findings with no source position (a missing data file named on the command line)."""
+
+    code: str
+    message: str
+    span: Span | None = None
+    help: str = ""
+    labels: tuple[Label, ...] = ()
+    severity: str = "error"
+    notes: tuple[str, ...] = ()
+
+    def sort_key(self) -> tuple:
+        s = self.span
+        return (s.file, s.line, s.col, self.code) if s else ("", 0, 0, self.code)
+
+    def to_json(self) -> dict:
+        def sp(s: Span | None):
+            if s is None:
+                return None
+            return {"file": s.file, "line": s.line, "col": s.col, "end_line": s.end_line, "end_col": s.end_col}
+
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "span": sp(self.span),
+            "help": self.help,
+            "labels": [{"span": sp(l.span), "message": l.message} for l in self.labels],
+            "notes": list(self.notes),
+        }
+
+
+class StreamschedError(Exception):
+    """Raised to stop a pass on user mistakes; carries the diagnostics that explain them."""
+
+    def __init__(self, diagnostics: list[Diagnostic] | tuple[Diagnostic, ...]):
+        self.diagnostics = tuple(diagnostics)
+        super().__init__("; ".join(f"{d.code}: {d.message}" for d in self.diagnostics))
+
+
+class InternalError(Exception):
+    """A bug in streamsched itself (never a user mistake); names the pass that broke."""
+
+
+@dataclass
+class SourceCache:
+    """File name -> text, so the renderer can print source lines."""
+
+    texts: dict[str, str] = field(default_factory=dict)
+
+    def line(self, file: str, line: int) -> str | None:
+        text = self.texts.get(file)
+        if text is None:
+            try:
+                with open(file, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError:
+                return None
+            self.texts[file] = text
+        lines = text.splitlines()
+        if 1 <= line <= len(lines):
+            return lines[line - 1]
+        if line == len(lines) + 1:
+            return ""
+        return None
+
+
+def _snippet(span: Span, sources: SourceCache, message: str = "", gutter: int = 0) -> list[str]:
+    src = sources.line(span.file, span.line)
+    if src is None:
+        return []
+    num = str(span.line)
+    width = max(gutter, len(num))
+    start = max(span.col, 1)
+    if span.end_line == span.line and span.end_col > span.col:
+        end = span.end_col
+    else:
+        end = max(len(src) + 1, start + 1)
+    carets = "^" * max(1, end - start)
+    pad = " " * width
+    tail = f" {message}" if message else ""
+    return [f"{pad} |", f"{num.rjust(width)} | {src}", f"{pad} | {' ' * (start - 1)}{carets}{tail}"]
+
+
+def render(diag: Diagnostic, sources: SourceCache | None = None) -> str:
+    """Render one diagnostic::
+
+        error[R001]: race on buffer `x` between comp1 and comp3
+         --> model.sched:12:5
+          |
+        12 |     dx = matmul(dy, w^T) on comp3 into x
+          |     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ writes `x`
+          = help: add `after dw`
+    """
+    sources = sources or SourceCache()
+    out = [f"{diag.severity}[{diag.code}]: {diag.message}"]
+    if diag.span is not None:
+        out.append(f" --> {diag.span}")
+        out.extend(_snippet(diag.span, sources))
+    for lab in diag.labels:
+        out.append(f" ::: {lab.span}")
+        out.extend(_snippet(lab.span, sources, lab.message))
+    for n in diag.notes:
+        out.append(f"  = note: {n}")
+    if diag.help:
+        out.append(f"  = help: {diag.help}")
+    return "\n".join(out)
+
+
+def render_all(diags, sources: SourceCache | None = None, fmt: str = "text") -> str:
+    """All diagnostics sorted by position; fmt "text" or "json"."""
+    ds = sorted(diags, key=Diagnostic.sort_key)
+    if fmt == "json":
+        return json.dumps([d.to_json() for d in ds], indent=2)
+    sources = sources or SourceCache()
+    body = "\n\n".join(render(d, sources) for d in ds)
+    n_err = sum(1 for d in ds if d.severity == "error")
+    n_warn = sum(1 for d in ds if d.severity == "warning")
+    summary = []
+    if n_err:
+        summary.append(f"{n_err} error{'s' if n_err != 1 else ''}")
+    if n_warn:
+        summary.append(f"{n_warn} warning{'s' if n_warn != 1 else ''}")
+    return body + ("\n\n" + ", ".join(summary) + " found" if summary else "")

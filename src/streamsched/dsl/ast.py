@@ -1,0 +1,315 @@
+"""The `.sched` abstract syntax tree: one frozen dataclass per grammar rule, each with its
+source span (excluded from equality), as produced by `streamsched.dsl.parse.parse`.
+
+    File      = item*
+    item      = Streams | OpDef | Place | ModelDef | GraphDef | StepDef | TrainBlock
+              | Barriers | Include
+    Expr      = Num | Str | Var | Call | BinOp | Neg | Transpose
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from streamsched.interp.ir import Span
+
+
+def _span() -> Span | None:
+    return field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Name:
+    id: str
+    span: Span | None = _span()
+
+
+# ---- expressions ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Num:
+    value: float | int
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Str:
+    value: str
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Var:
+    name: Name
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KwArg:
+    name: Name
+    value: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Call:
+    func: Name
+    args: tuple["Expr", ...] = ()
+    kwargs: tuple[KwArg, ...] = ()
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # + - * /
+    left: "Expr"
+    right: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Transpose:
+    operand: "Expr"
+    span: Span | None = _span()
+
+
+Expr = Union[Num, Str, Var, Call, BinOp, Neg, Transpose]
+
+
+@dataclass(frozen=True)
+class TypeExpr:
+    """`f32[batch, 64]`; dims are expressions over model parameters and dimension variables."""
+
+    dtype: Name
+    dims: tuple[Expr, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a task, graph or launch: `dw`, `pass`, `prev.pass`, `load[next]`."""
+
+    parts: tuple[Name, ...]
+    index: Name | None = None
+    span: Span | None = _span()
+
+    @property
+    def text(self) -> str:
+        s = ".".join(p.id for p in self.parts)
+        return f"{s}[{self.index.id}]" if self.index else s
+
+
+@dataclass(frozen=True)
+class Clauses:
+    on: Name | None = None
+    into: Name | None = None
+    after: tuple[Ref, ...] = ()
+
+
+# ---- streams, ops, placement --------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamDecl:
+    name: Name
+    role: Name
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Streams:
+    decls: tuple[StreamDecl, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class OpParam:
+    """`x`, `x : f32[n, k]`, `param w : f32[k, units] = glorot`, `state v`, `momentum = 0.9`."""
+
+    modifier: str | None  # None | param | grad | state
+    name: Name
+    type: TypeExpr | None = None
+    default: Expr | None = None
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class OutDecl:
+    name: Name
+    type: TypeExpr | None = None
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KernelStmt:
+    targets: tuple[Name, ...]
+    expr: Expr
+    clauses: Clauses
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    name_span: Span | None
+    params: tuple[OpParam, ...]
+    outs: tuple[OutDecl, ...]
+    stream: Name
+    body: tuple[KernelStmt, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Place:
+    target: str
+    target_span: Span | None
+    stream: Name
+    span: Span | None = _span()
+
+
+# ---- models --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InputDecl:
+    name: Name
+    type: TypeExpr
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class OpUse:
+    targets: tuple[Name, ...]
+    call: Call
+    clauses: Clauses
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    name: Name
+    params: tuple[KwArg, ...]
+    body: tuple[Union[InputDecl, OpUse], ...]
+    span: Span | None = _span()
+
+
+# ---- graphs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CopyStmt:
+    source: Name
+    targets: tuple[Name, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class ClearStmt:
+    call: Call
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class ForwardStmt:
+    model: Name
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class BackwardStmt:
+    model: Name
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class UploadStmt:
+    name: Name
+    stream: Name | None = None
+    clauses: Clauses = Clauses()
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class SyncStmt:
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class AllocStmt:
+    name: Name
+    type: TypeExpr
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class CallStmt:
+    call: Call
+    clauses: Clauses
+    span: Span | None = _span()
+
+
+GraphStmt = Union[CopyStmt, ClearStmt, ForwardStmt, BackwardStmt, UploadStmt, SyncStmt, AllocStmt, CallStmt]
+
+
+@dataclass(frozen=True)
+class GraphDef:
+    name: Name
+    slots: tuple[Name, ...]
+    stream: Name
+    body: tuple[GraphStmt, ...]
+    span: Span | None = _span()
+
+
+# ---- steps, training -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchStmt:
+    ref: Ref
+    binds: tuple[Ref, ...] | None
+    clauses: Clauses
+    span: Span | None = _span()
+
+
+StepStmt = Union[LaunchStmt, UploadStmt, SyncStmt]
+
+
+@dataclass(frozen=True)
+class StepDef:
+    name: Name
+    param: Name | None
+    body: tuple[StepStmt, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class TrainItem:
+    key: Name
+    value: Expr
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class TrainBlock:
+    name: Name
+    items: tuple[TrainItem, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Barriers:
+    policy: Name
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Include:
+    path: str
+    span: Span | None = _span()
+
+
+Item = Union[Streams, OpDef, Place, ModelDef, GraphDef, StepDef, TrainBlock, Barriers, Include]
+
+
+@dataclass(frozen=True)
+class File:
+    path: str
+    items: tuple[Item, ...]

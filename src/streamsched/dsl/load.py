@@ -1,0 +1,73 @@
+"""Reading `.sched` sources: the user's file, its `include`s (resolved relative to the including
+file, recursion rejected), and the stdlib `ops.sched`.  Returns ASTs plus diagnostics.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from importlib import resources
+
+from streamsched.diagnostics import Diagnostic, SourceCache, StreamschedError
+from streamsched.dsl import ast as A
+from streamsched.dsl.parse import parse
+
+STDLIB_PATH = "<stdlib>/ops.sched"
+
+
+@lru_cache(maxsize=1)
+def stdlib_text() -> str:
+    return resources.files("streamsched.stdlib").joinpath("ops.sched").read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def stdlib_file() -> A.File:
+    """The parsed stdlib (its spans name `<stdlib>/ops.sched`)."""
+    return parse(stdlib_text(), STDLIB_PATH)
+
+
+def load_program_files(path: str, text: str | None, sources: SourceCache) -> tuple[list[A.File], list[Diagnostic]]:
+    """Parse `path` (or the given `text` for it) and, depth first, every file it includes.
+
+    Returns the files in include order (an included file before the rest of its includer) and
+    the diagnostics: P-family from parsing, S010 include not found, S011 recursive include.
+    Every text read is stored in `sources` so diagnostics can print it.
+    """
+    files: list[A.File] = []
+    diags: list[Diagnostic] = []
+    sources.texts.setdefault(STDLIB_PATH, stdlib_text())
+
+    def visit(p: str, txt: str | None, chain: tuple[str, ...], inc_span) -> None:
+        key = os.path.abspath(p)
+        if key in chain:
+            cycle = " -> ".join(os.path.basename(c) for c in chain + (key,))
+            diags.append(Diagnostic("S011", f"recursive include: {cycle}", inc_span,
+                                    help="remove one of the `include` lines that form the cycle"))
+            return
+        if txt is None:
+            try:
+                with open(p, encoding="utf-8") as f:
+                    txt = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                if inc_span is None:
+                    raise StreamschedError([Diagnostic("X002", f"cannot read `{p}`: {exc.strerror or exc}")]) from None
+                diags.append(Diagnostic("S010", f"included file `{p}` not found", inc_span,
+                                        help="include paths are relative to the including file"))
+                return
+        sources.texts[p] = txt
+        try:
+            f = parse(txt, p)
+        except StreamschedError as e:
+            diags.extend(e.diagnostics)
+            return
+        rest = []
+        for item in f.items:
+            if isinstance(item, A.Include):
+                target = os.path.join(os.path.dirname(p), item.path)
+                visit(target, None, chain + (key,), item.span)
+            else:
+                rest.append(item)
+        files.append(A.File(p, tuple(rest)))
+
+    visit(path, text, (), None)
+    return files, diags

@@ -1,0 +1,350 @@
+"""Text to AST: `parse(text, path) -> File`, raising `StreamschedError` with P-family
+diagnostics (never a lark exception) whose messages name tokens the way people do.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from streamsched.diagnostics import Diagnostic, StreamschedError
+from streamsched.dsl import ast as A
+from streamsched.interp.ir import Span
+
+# lark's terminal names, as a person would say them (STYLE.md habit 4).
+_TOKEN_WORDS = {
+    "$END": "end of file",
+    "LBRACE": "`{`", "RBRACE": "`}`", "LPAR": "`(`", "RPAR": "`)`", "LSQB": "`[`", "RSQB": "`]`",
+    "COMMA": "`,`", "COLON": "`:`", "SEMICOLON": "`;`", "EQUAL": "`=`", "DOT": "`.`",
+    "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`", "NAME": "a name",
+    "NUMBER": "a number", "STRING": "a string", "MODIFIER": "`param`, `grad` or `state`",
+    "__ANON_0": "`->`", "__ANON_1": "`^T`", "RARROW": "`->`",
+}
+
+
+def _word(term: str) -> str:
+    if term in _TOKEN_WORDS:
+        return _TOKEN_WORDS[term]
+    if term.isupper() and term.isalpha():
+        return f"`{term.lower()}`"
+    return term
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    text = resources.files("streamsched.grammar").joinpath("sched.lark").read_text(encoding="utf-8")
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+class _ToAst(Transformer):
+    """Builds AST records; every node gets a Span from lark's meta."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def _sp(self, meta) -> Span | None:
+        if getattr(meta, "empty", True):
+            return None
+        return Span(self.path, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok(self, t: Token) -> A.Name:
+        return A.Name(str(t), Span(self.path, t.line, t.column, t.end_line, t.end_column))
+
+    def NAME(self, t):  # noqa: N802 (lark callback)
+        return self._tok(t)
+
+    # ---- generic pieces
+    @v_args(meta=True)
+    def start(self, meta, items):
+        return tuple(i for i in items if i is not None)
+
+    def empty(self, _):
+        return None
+
+    @v_args(meta=True)
+    def type(self, meta, ch):
+        dims = tuple(d for d in ch[1:] if d is not None)
+        return A.TypeExpr(ch[0], dims, self._sp(meta))
+
+    @v_args(meta=True)
+    def ref(self, meta, ch):
+        index = ch[-1]
+        parts = tuple(ch[:-1])
+        return A.Ref(parts, index, self._sp(meta))
+
+    @v_args(meta=True)
+    def dotted(self, meta, ch):
+        return (".".join(n.id for n in ch), self._sp(meta))
+
+    @v_args(meta=True)
+    def number(self, meta, ch):
+        s = str(ch[0])
+        v = float(s) if any(c in s for c in ".eE") else int(s)
+        return A.Num(v, self._sp(meta))
+
+    @v_args(meta=True)
+    def string(self, meta, ch):
+        return A.Str(str(ch[0])[1:-1], self._sp(meta))
+
+    @v_args(meta=True)
+    def var(self, meta, ch):
+        return A.Var(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def kwarg(self, meta, ch):
+        return A.KwArg(ch[0], ch[1], self._sp(meta))
+
+    def arglist(self, ch):
+        return list(ch)
+
+    @v_args(meta=True)
+    def call(self, meta, ch):
+        args = ch[1] or []
+        pos = tuple(a for a in args if not isinstance(a, A.KwArg))
+        kws = tuple(a for a in args if isinstance(a, A.KwArg))
+        return A.Call(ch[0], pos, kws, self._sp(meta))
+
+    def _bin(op):  # noqa: N805
+        @v_args(meta=True)
+        def f(self, meta, ch):
+            return A.BinOp(op, ch[0], ch[1], self._sp(meta))
+
+        return f
+
+    add = _bin("+")
+    sub = _bin("-")
+    mul = _bin("*")
+    div = _bin("/")
+
+    @v_args(meta=True)
+    def neg(self, meta, ch):
+        return A.Neg(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def transpose(self, meta, ch):
+        return A.Transpose(ch[0], self._sp(meta))
+
+    def targets(self, ch):
+        return tuple(ch)
+
+    def on_clause(self, ch):
+        return ("on", ch[0])
+
+    def into_clause(self, ch):
+        return ("into", ch[0])
+
+    def after_clause(self, ch):
+        return ("after", tuple(ch))
+
+    @staticmethod
+    def _clauses(items) -> A.Clauses:
+        on = into = None
+        after: tuple = ()
+        for kind, v in items:
+            if kind == "on":
+                on = v
+            elif kind == "into":
+                into = v
+            else:
+                after = after + v
+        return A.Clauses(on, into, after)
+
+    # ---- streams, ops, place
+    @v_args(meta=True)
+    def stream_decl(self, meta, ch):
+        return A.StreamDecl(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def streams_block(self, meta, ch):
+        return A.Streams(tuple(ch), self._sp(meta))
+
+    def op_params(self, ch):
+        return tuple(ch)
+
+    @v_args(meta=True)
+    def op_param(self, meta, ch):
+        mod, name, typ, default = ch
+        return A.OpParam(str(mod) if mod is not None else None, name, typ, default, self._sp(meta))
+
+    def op_outs(self, ch):
+        return tuple(ch)
+
+    @v_args(meta=True)
+    def out_decl(self, meta, ch):
+        return A.OutDecl(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def kernel_stmt(self, meta, ch):
+        return A.KernelStmt(ch[0], ch[1], self._clauses(ch[2:]), self._sp(meta))
+
+    @v_args(meta=True)
+    def op_def(self, meta, ch):
+        (name, nspan), params, outs, stream, *body = ch
+        return A.OpDef(name, nspan, params or (), outs, stream, tuple(body), self._sp(meta))
+
+    @v_args(meta=True)
+    def place_stmt(self, meta, ch):
+        (target, tspan), stream = ch
+        return A.Place(target, tspan, stream, self._sp(meta))
+
+    # ---- models
+    def kwlist(self, ch):
+        return tuple(ch)
+
+    @v_args(meta=True)
+    def input_decl(self, meta, ch):
+        return A.InputDecl(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def op_use(self, meta, ch):
+        return A.OpUse(ch[0], ch[1], self._clauses(ch[2:]), self._sp(meta))
+
+    @v_args(meta=True)
+    def model_def(self, meta, ch):
+        name, params, *body = ch
+        return A.ModelDef(name, params or (), tuple(body), self._sp(meta))
+
+    # ---- graphs
+    def slots(self, ch):
+        return tuple(ch)
+
+    @v_args(meta=True)
+    def copy_stmt(self, meta, ch):
+        return A.CopyStmt(ch[0], tuple(ch[1:]), self._sp(meta))
+
+    @v_args(meta=True)
+    def clear_stmt(self, meta, ch):
+        return A.ClearStmt(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def forward_stmt(self, meta, ch):
+        return A.ForwardStmt(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def backward_stmt(self, meta, ch):
+        return A.BackwardStmt(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def upload_stmt(self, meta, ch):
+        return A.UploadStmt(ch[0], ch[1], A.Clauses(), self._sp(meta))
+
+    @v_args(meta=True)
+    def sync_stmt(self, meta, ch):
+        return A.SyncStmt(self._sp(meta))
+
+    step_sync = sync_stmt
+
+    @v_args(meta=True)
+    def alloc_stmt(self, meta, ch):
+        return A.AllocStmt(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def call_stmt(self, meta, ch):
+        return A.CallStmt(ch[0], self._clauses(ch[1:]), self._sp(meta))
+
+    @v_args(meta=True)
+    def graph_def(self, meta, ch):
+        name, slots, stream, *body = ch
+        return A.GraphDef(name, slots or (), stream, tuple(body), self._sp(meta))
+
+    # ---- steps, train
+    def launch_args(self, ch):
+        return tuple(c for c in ch if c is not None)
+
+    @v_args(meta=True)
+    def launch_stmt(self, meta, ch):
+        ref, binds, *cl = ch
+        return A.LaunchStmt(ref, binds, self._clauses(cl), self._sp(meta))
+
+    @v_args(meta=True)
+    def step_upload(self, meta, ch):
+        name, *cl = ch
+        c = self._clauses(cl)
+        return A.UploadStmt(name, c.on, c, self._sp(meta))
+
+    @v_args(meta=True)
+    def step_def(self, meta, ch):
+        name, param, *body = ch
+        return A.StepDef(name, param, tuple(body), self._sp(meta))
+
+    @v_args(meta=True)
+    def train_item(self, meta, ch):
+        return A.TrainItem(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def train_block(self, meta, ch):
+        return A.TrainBlock(ch[0], tuple(ch[1:]), self._sp(meta))
+
+    @v_args(meta=True)
+    def barriers_stmt(self, meta, ch):
+        return A.Barriers(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def include_stmt(self, meta, ch):
+        return A.Include(str(ch[0])[1:-1], self._sp(meta))
+
+
+def _expected(exc: UnexpectedInput) -> str:
+    exp = sorted({_word(t) for t in (getattr(exc, "expected", None) or getattr(exc, "allowed", None) or ())})
+    if not exp:
+        return ""
+    if len(exp) > 8:
+        exp = exp[:8] + ["..."]
+    return "expected " + ", ".join(exp)
+
+
+def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
+    lines = text.splitlines()
+    if isinstance(exc, UnexpectedEOF) or (isinstance(exc, UnexpectedToken) and exc.token.type == "$END"):
+        # Point at the last non-blank character: "unclosed ... at end of file".
+        ln = len(lines)
+        while ln > 1 and not lines[ln - 1].strip():
+            ln -= 1
+        last = lines[ln - 1] if lines else ""
+        col = max(1, len(last.rstrip()))
+        expected = getattr(exc, "expected", None) or ()
+        if "RBRACE" in expected:
+            msg = "unexpected end of file: a `{` block is not closed"
+            help_ = "add the missing `}`"
+        else:
+            msg = "unexpected end of file"
+            help_ = _expected(exc)
+        return Diagnostic("P001", msg, Span(path, max(ln, 1), col, max(ln, 1), col + 1), help=help_)
+    if isinstance(exc, UnexpectedCharacters):
+        ch = text[exc.pos_in_stream] if 0 <= exc.pos_in_stream < len(text) else "?"
+        return Diagnostic(
+            "P003",
+            f"unexpected character `{ch}`",
+            Span(path, exc.line, exc.column, exc.line, exc.column + 1),
+            help=_expected(exc) or "remove it",
+        )
+    tok = exc.token  # UnexpectedToken
+    val = str(tok)
+    end_col = (tok.end_column or (tok.column + max(1, len(val))))
+    what = f"`{val}`" if tok.type not in ("$END",) else "end of file"
+    return Diagnostic(
+        "P002",
+        f"unexpected {what}",
+        Span(path, tok.line, tok.column, tok.end_line or tok.line, end_col),
+        help=_expected(exc),
+    )
+
+
+def parse(text: str, path: str = "<string>") -> A.File:
+    """Parse `.sched` text into a `File`.
+
+    Raises StreamschedError with one P-family diagnostic (P001 unexpected end of file,
+    P002 unexpected token, P003 unexpected character) on a syntax error.
+    """
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedInput as exc:
+        raise StreamschedError([_parse_error(exc, text, path)]) from None
+    except RecursionError:  # pathological nesting
+        raise StreamschedError([Diagnostic("P004", "expression nested too deeply", Span(path, 1, 1, 1, 2))]) from None
+    items = _ToAst(path).transform(tree)
+    return A.File(path, items)

@@ -1,0 +1,1094 @@
+"""AST to typed program: names, stdlib ops, shapes and dtypes, ops expanded into task
+templates (one kernel launch each), the backward pass derived from `NAME.backward` ops, graphs
+and the step resolved.  User mistakes become S/C diagnostics, all collected, never exceptions.
+
+Source: LANGUAGE.md (the forms and their meaning) and the seed's op-to-stream policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedError
+from streamsched.dsl import ast as A
+from streamsched.dsl.load import STDLIB_PATH, load_program_files, stdlib_file
+from streamsched.dsl.program import SLOT, AfterRef, GraphInfo, Launch, ModelInfo, Program, TaskTemplate
+from streamsched.interp.ir import DTYPE_BYTES, HOST, Buffer, Span
+from streamsched.stdlib.kernel_record import KernelTypeError
+
+ROLES = ("copy", "compute", "update")
+LEGACY_STREAMS = ("default", "legacy", "null", "legacy_default", "nullstream")
+POLICIES = ("auto", "chain", "explicit")
+CAPTURES = ("none", "graphs", "step")
+INITS = ("zeros", "ones", "glorot", "he", "normal", "uniform")
+KNOWN_HOST_VALUES = ("lr", "step")
+TRAIN_KEYS = ("model", "data", "epochs", "lr", "capture", "barriers", "seed", "step", "eval", "log")
+
+
+@dataclass(frozen=True)
+class CallValue:
+    """A call written as a value in the `train` block: `digits(test = 0.2)`, `cosine(0.1)`."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    span: Span | None = None
+
+
+class _Abort(Exception):
+    """Stops expanding one construct after a diagnostic was recorded."""
+
+
+def _kernels():
+    from streamsched.stdlib.kernels import KERNELS
+
+    return KERNELS
+
+
+@dataclass
+class _Call:
+    """One forward op call of a model (kept for the backward derivation)."""
+
+    op: A.OpDef
+    bind: dict[str, str]  # op param/out name -> buffer
+    attrs: dict[str, Any]
+    inputs: tuple[str, ...]  # op names of buffer inputs (not params)
+    params: tuple[str, ...]  # op names of parameter inputs
+    outs: tuple[str, ...]
+    span: Span | None
+    label: str
+
+
+class Resolver:
+    """One resolution run; `resolve()` below is the entry point."""
+
+    def __init__(self, files: list[A.File]):
+        self.files = files
+        self.diags: list[Diagnostic] = []
+        self.streams: dict[str, tuple[str, Span | None]] = {}
+        self.ops: dict[str, A.OpDef] = {}
+        self.stdlib_ops: set[str] = set()
+        self.places: dict[str, A.Place] = {}
+        self.models: dict[str, A.ModelDef] = {}
+        self.graphs_ast: dict[str, A.GraphDef] = {}
+        self.steps: list[A.StepDef] = []
+        self.train: A.TrainBlock | None = None
+        self.barriers: A.Barriers | None = None
+        self.buffers: dict[str, Buffer] = {}
+        self.inits: dict[str, str] = {}
+        self.uploads: set[str] = set()
+        self.slots: tuple[str, ...] = ()
+        self.model_info: ModelInfo | None = None
+        self._tmp = 0
+
+    # ------------------------------------------------------------------ helpers
+    def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
+        self.diags.append(Diagnostic(code, msg, span, help=help, labels=tuple(labels), notes=tuple(notes)))
+
+    def fail(self, code: str, msg: str, span: Span | None, help: str = "", labels=()) -> None:
+        self.err(code, msg, span, help, labels)
+        raise _Abort()
+
+    def add_buffer(self, name: str, shape, dtype: str, kind: str, span=None, space="device", init=None) -> Buffer:
+        if name in self.buffers:
+            return self.buffers[name]
+        b = Buffer(name, tuple(int(d) for d in shape), dtype, space=space, kind=kind, span=span)
+        self.buffers[name] = b
+        if init:
+            self.inits[name] = init
+        return b
+
+    def slotted(self, name: str) -> list[str]:
+        """The concrete buffer names a (possibly slotted) template name stands for."""
+        if SLOT in name:
+            return [name.replace(SLOT, s) for s in self.slots]
+        return [name]
+
+    def btype(self, name: str) -> tuple[tuple[int, ...], str]:
+        b = self.buffers[self.slotted(name)[0]]
+        return b.shape, b.dtype
+
+    # ------------------------------------------------------------------ collection
+    def collect(self) -> None:
+        for op in stdlib_file().items:
+            if isinstance(op, A.OpDef):
+                self.ops[op.name] = op
+                self.stdlib_ops.add(op.name)
+        user_ops: dict[str, A.OpDef] = {}
+        for f in self.files:
+            for item in f.items:
+                if isinstance(item, A.Streams):
+                    for d in item.decls:
+                        self.declare_stream(d)
+                elif isinstance(item, A.OpDef):
+                    if item.name in user_ops:
+                        self.err("S002", f"op `{item.name}` is defined twice", item.name_span,
+                                 labels=[Label(user_ops[item.name].name_span, "first defined here")])
+                        continue
+                    user_ops[item.name] = item
+                    self.ops[item.name] = item  # a user op shadows the stdlib op of that name
+                    self.stdlib_ops.discard(item.name)
+                elif isinstance(item, A.Place):
+                    self.places[item.target] = item
+                elif isinstance(item, A.ModelDef):
+                    self.unique(self.models, item.name, item, "model")
+                elif isinstance(item, A.GraphDef):
+                    self.unique(self.graphs_ast, item.name, item, "graph")
+                elif isinstance(item, A.StepDef):
+                    if self.steps:
+                        self.err("S002", f"a second step `{item.name.id}`: v1 runs one step per file",
+                                 item.name.span, labels=[Label(self.steps[0].name.span, "first step here")])
+                        continue
+                    self.steps.append(item)
+                elif isinstance(item, A.TrainBlock):
+                    if item.name.id != "train":
+                        self.err("S016", f"unknown block `{item.name.id}`", item.name.span,
+                                 help="top-level blocks are streams, op, place, model, graph, step, train, barriers, include")
+                        continue
+                    if self.train is not None:
+                        self.err("S002", "the `train` block appears twice", item.name.span)
+                        continue
+                    self.train = item
+                elif isinstance(item, A.Barriers):
+                    self.barriers = item
+        if not self.streams:
+            first = self.files[-1].items[0].span if self.files and self.files[-1].items else None
+            self.err("S001", "no streams are declared", first,
+                     help="declare them first: `streams { comp1 : compute }`")
+
+    def unique(self, table: dict, name: A.Name, item, what: str) -> None:
+        if name.id in table:
+            self.err("S002", f"{what} `{name.id}` is defined twice", name.span,
+                     labels=[Label(table[name.id].name.span, "first defined here")])
+        else:
+            table[name.id] = item
+
+    def declare_stream(self, d: A.StreamDecl) -> None:
+        if d.name.id in LEGACY_STREAMS:
+            self.err("C001", f"`{d.name.id}` names the legacy default stream, which streamsched never uses",
+                     d.name.span, help="declare a named stream instead; every stream is created non-blocking")
+            return
+        if d.name.id == HOST:
+            self.err("S002", "`host` is the implicit stream of the CPU thread and cannot be declared", d.name.span)
+            return
+        if d.role.id not in ROLES:
+            self.err("S015", f"unknown stream role `{d.role.id}`", d.role.span,
+                     help=f"roles are {', '.join(ROLES)}")
+            return
+        if d.name.id in self.streams:
+            self.err("S002", f"stream `{d.name.id}` is declared twice", d.name.span,
+                     labels=[Label(self.streams[d.name.id][1], "first declared here")])
+            return
+        self.streams[d.name.id] = (d.role.id, d.name.span)
+
+    # ------------------------------------------------------------------ streams
+    def stream(self, name: A.Name, stdlib: bool) -> str:
+        """A declared stream; stdlib placements fold onto the declared streams by role."""
+        n = name.id
+        if n in self.streams:
+            return n
+        if n in LEGACY_STREAMS:
+            self.fail("C001", f"`{n}` is the legacy default stream, which streamsched never uses", name.span,
+                      help="name a declared stream; the legacy stream synchronizes with every blocking stream")
+        if n == HOST:
+            self.fail("S001", "`host` is the CPU thread: kernels cannot run on it", name.span)
+        if stdlib and self.streams:
+            return self.fold(n)
+        known = ", ".join(self.streams) or "none"
+        self.fail("S001", f"unknown stream `{n}`", name.span, help=f"declared streams: {known}")
+        return ""
+
+    def fold(self, canonical: str) -> str:
+        by_role = {r: [s for s, (role, _) in self.streams.items() if role == r] for r in ROLES}
+        compute = by_role["compute"] or list(self.streams)
+        if canonical.startswith("comp") and canonical[4:].isdigit():
+            i = int(canonical[4:]) - 1
+            return compute[min(i, len(compute) - 1)]
+        if canonical == "update":
+            return (by_role["update"] or compute)[0]
+        if canonical == "trans":
+            return (by_role["copy"] or compute)[0]
+        return compute[0]
+
+    def placed(self, target: str, default: str, stdlib: bool) -> str:
+        p = self.places.get(target)
+        if p is not None:
+            return self.stream(p.stream, stdlib=False)
+        return default
+
+    # ------------------------------------------------------------------ constants
+    def const(self, e: A.Expr, env: dict[str, Any]) -> Any:
+        if isinstance(e, A.Num):
+            return e.value
+        if isinstance(e, A.Str):
+            return e.value
+        if isinstance(e, A.Var):
+            if e.name.id in env:
+                return env[e.name.id]
+            if e.name.id in ("true", "false"):
+                return e.name.id == "true"
+            self.fail("S007", f"unknown name `{e.name.id}`", e.name.span,
+                      help=("known here: " + ", ".join(sorted(env))) if env else "")
+        if isinstance(e, A.Neg):
+            return -self.const(e.operand, env)
+        if isinstance(e, A.BinOp):
+            a, b = self.const(e.left, env), self.const(e.right, env)
+            try:
+                return {"+": a + b, "-": a - b, "*": a * b}[e.op] if e.op != "/" else (a // b if isinstance(a, int) and isinstance(b, int) and a % b == 0 else a / b)
+            except (TypeError, ZeroDivisionError):
+                self.fail("S015", "this expression is not a constant", e.span)
+        self.fail("S015", "a constant is expected here", e.span)
+
+    # ------------------------------------------------------------------ op expansion
+    def classify(self, op: A.OpDef):
+        """(inputs, params, grads, states, attrs) of an op, each a list of OpParam."""
+        ins, params, grads, states, attrs = [], [], [], [], []
+        for p in op.params:
+            if p.modifier == "param":
+                params.append(p)
+            elif p.modifier == "grad":
+                grads.append(p)
+            elif p.modifier == "state":
+                states.append(p)
+            elif p.default is not None and p.type is None:
+                attrs.append(p)
+            else:
+                ins.append(p)
+        return ins, params, grads, states, attrs
+
+    def unify(self, t: A.TypeExpr, actual: tuple[tuple[int, ...], str], dims: dict[str, int], what: str,
+              at: Span | None, decl: Span | None, code_shape="S003") -> None:
+        shape, dtype = actual
+        if t.dtype.id != dtype:
+            self.fail("S004", f"{what} has dtype {dtype}, but `{t.dtype.id}` is required",
+                      at, labels=[Label(decl, "required here")] if decl else [],
+                      help="labels are integer class indices (i32)" if t.dtype.id.startswith("i") else "")
+        if len(t.dims) != len(shape):
+            self.fail(code_shape, f"{what} has shape {list(shape)}, but {len(t.dims)} dimensions are required",
+                      at, labels=[Label(decl, "declared here")] if decl else [])
+        for d, actual_d in zip(t.dims, shape):
+            if isinstance(d, A.Var) and d.name.id not in dims:
+                dims[d.name.id] = actual_d
+                continue
+            want = self.const(d, dims)
+            if want != actual_d:
+                self.fail(code_shape, f"{what} has shape {list(shape)}, but the type `{_type_text(t)}` needs "
+                          f"{want} where it has {actual_d}", at,
+                          labels=[Label(decl, "declared here")] if decl else [])
+
+    def type_shape(self, t: A.TypeExpr, dims: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+        if t.dtype.id not in DTYPE_BYTES:
+            self.fail("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span, help=f"dtypes: {', '.join(DTYPE_BYTES)}")
+        shape = []
+        for d in t.dims:
+            v = self.const(d, dims)
+            if not isinstance(v, int) or v <= 0:
+                self.fail("S003", f"dimension must be a positive integer, got {v!r}", d.span)
+            shape.append(v)
+        return tuple(shape), t.dtype.id
+
+    def expand_op(self, op: A.OpDef, bind: dict[str, str], attrs: dict[str, Any], out: list[TaskTemplate],
+                  op_id: int, prefix: str, label: str, call_span: Span | None, need: set[str] | None = None) -> None:
+        """Append the templates of one op call to `out`.
+
+        bind: op param/out name -> buffer name (outputs not in bind get fresh buffers named
+        `prefix.name`); need: the outputs wanted (None = all); statements feeding none of them are
+        dropped, so a backward skips gradients nobody uses.
+        """
+        stdlib = op.name in self.stdlib_ops
+        rep = self.placed(op.name, self.stream(op.stream, stdlib), stdlib)
+        out_names = [o.name.id for o in op.outs]
+        body = list(op.body)
+        if need is not None:
+            wanted = set(need)
+            keep = []
+            for st in reversed(body):
+                if any(t.id in wanted for t in st.targets):
+                    keep.append(st)
+                    wanted |= _expr_names(st.expr)
+            keep_ids = {id(s) for s in keep}
+            body = [s for s in body if id(s) in keep_ids]
+        env = dict(bind)
+        stmt_index: dict[str, int] = {}
+        pending_after: list[tuple[int, A.KernelStmt]] = []
+        for st in body:
+            stream = st.clauses.on and self.stream(st.clauses.on, stdlib) or rep
+            target0 = st.targets[0].id
+            stream = self.placed(f"{op.name}.{target0}", stream, stdlib)
+            outs = []
+            for t in st.targets:
+                if t.id in env and t.id not in out_names and t.id not in bind:
+                    self.fail("S002", f"`{t.id}` is assigned twice in op `{op.name}`", t.span)
+                if t.id not in env:
+                    env[t.id] = f"{prefix}.{t.id}"
+                outs.append(env[t.id])
+            into = None
+            if st.clauses.into is not None:
+                if st.clauses.into.id not in env:
+                    self.fail("S007", f"unknown buffer `{st.clauses.into.id}` in `into`", st.clauses.into.span)
+                into = env[st.clauses.into.id]
+            first = len(out)
+            self.lower_stmt(st, env, outs, stream, into, out, op_id, rep, label, call_span, stdlib, op)
+            stmt_index[target0] = len(out) - 1
+            for t in st.targets[1:]:
+                stmt_index[t.id] = len(out) - 1
+            if st.clauses.after:
+                pending_after.append((first, st))
+        for first, st in pending_after:
+            ids = []
+            for r in st.clauses.after:
+                nm = r.text
+                if nm not in stmt_index:
+                    self.fail("S007", f"`after {nm}`: no statement `{nm}` in op `{op.name}`", r.span,
+                              help="`after` names an earlier statement of the same op body")
+                ids.append(stmt_index[nm])
+            t = out[first]
+            out[first] = replace(t, after=t.after + tuple(ids))
+
+    def lower_stmt(self, st: A.KernelStmt, env, outs, stream, into, out, op_id, rep, label, call_span, stdlib, op) -> None:
+        kernels = _kernels()
+        e = st.expr
+        if isinstance(e, A.Var):
+            e = A.Call(A.Name("copy", e.span), (e,), (), e.span)
+        if not isinstance(e, A.Call):
+            e = self.binop_call(e)
+        kname = e.func.id
+        if kname not in kernels:
+            self.fail("S014", f"unknown kernel `{kname}`", e.func.span,
+                      help="kernels are the stdlib primitives listed in docs/kernels.md")
+        k = kernels[kname]
+        if len(st.targets) != len(k.outputs):
+            self.fail("S005", f"kernel `{kname}` produces {len(k.outputs)} value(s), {len(st.targets)} target(s) given",
+                      st.span)
+        args, attrs = self.lower_args(e, k, env, out, stream, op_id, rep, label, call_span, stdlib, op)
+        self.emit(kname, args, tuple(outs), attrs, stream, out, op_id, rep, st.targets[0].id, label, st.span,
+                  call_span, stdlib, into=into)
+
+    def binop_call(self, e: A.Expr) -> A.Call:
+        if isinstance(e, A.BinOp):
+            if e.op == "*" and isinstance(e.left, A.Num):
+                return A.Call(A.Name("scale", e.span), (e.right,), (A.KwArg(A.Name("alpha"), e.left),), e.span)
+            if e.op in "*/" and isinstance(e.right, A.Num):
+                v = e.right.value if e.op == "*" else 1.0 / e.right.value
+                return A.Call(A.Name("scale", e.span), (e.left,), (A.KwArg(A.Name("alpha"), A.Num(v)),), e.span)
+            if e.op == "/":
+                self.fail("S015", "division by a buffer is not a kernel", e.span)
+            name = {"+": "add", "-": "sub", "*": "mul"}[e.op]
+            return A.Call(A.Name(name, e.span), (e.left, e.right), (), e.span)
+        if isinstance(e, A.Neg):
+            return A.Call(A.Name("scale", e.span), (e.operand,), (A.KwArg(A.Name("alpha"), A.Num(-1.0)),), e.span)
+        if isinstance(e, A.Transpose):
+            self.fail("S015", "`^T` transposes a matmul argument only", e.span)
+        self.fail("S015", "a kernel call is expected here", e.span)
+
+    def lower_args(self, e: A.Call, k, env, out, stream, op_id, rep, label, call_span, stdlib, op):
+        if len(e.args) != len(k.inputs):
+            self.fail("S005", f"kernel `{k.name}` takes {len(k.inputs)} argument(s) ({', '.join(k.inputs)}), "
+                      f"{len(e.args)} given", e.span)
+        attrs: dict[str, Any] = {}
+        args = []
+        for i, a in enumerate(e.args):
+            if isinstance(a, A.Transpose):
+                if k.name != "matmul" or i > 1:
+                    self.fail("S015", "`^T` transposes a matmul argument only", a.span)
+                attrs["ta" if i == 0 else "tb"] = True
+                a = a.operand
+            args.append(self.lower_value(a, env, out, stream, op_id, rep, label, call_span, stdlib, op))
+        op_attrs = env.get("__attrs__", {})
+        for kw in e.kwargs:
+            if kw.name.id not in k.attrs:
+                self.fail("S015", f"kernel `{k.name}` has no attribute `{kw.name.id}`", kw.name.span,
+                          help=f"attributes: {', '.join(k.attrs) or 'none'}")
+            attrs[kw.name.id] = self.const(kw.value, op_attrs)
+        return tuple(args), tuple(sorted(attrs.items()))
+
+    def lower_value(self, a: A.Expr, env, out, stream, op_id, rep, label, call_span, stdlib, op) -> str:
+        if isinstance(a, A.Var):
+            if a.name.id not in env or a.name.id == "__attrs__":
+                self.fail("S007", f"unknown buffer `{a.name.id}` in op `{op.name}`", a.name.span,
+                          help="an op body reads its parameters and earlier statements' results")
+            return env[a.name.id]
+        call = a if isinstance(a, A.Call) else self.binop_call(a)
+        kernels = _kernels()
+        if call.func.id not in kernels:
+            self.fail("S014", f"unknown kernel `{call.func.id}`", call.func.span)
+        k = kernels[call.func.id]
+        if len(k.outputs) != 1:
+            self.fail("S015", f"kernel `{k.name}` produces several values and cannot be nested", call.span)
+        args, attrs = self.lower_args(call, k, env, out, stream, op_id, rep, label, call_span, stdlib, op)
+        self._tmp += 1
+        tmp = f"{label.split(' ')[-1]}.t{self._tmp}"
+        self.emit(k.name, args, (tmp,), attrs, stream, out, op_id, rep, "", label, call.span, call_span, stdlib)
+        return tmp
+
+    def emit(self, kname, args, outs, attrs, stream, out, op_id, rep, stmt, label, span, call_span, stdlib,
+             into=None, kind="act") -> None:
+        """Type-check one launch, create its output buffers, append its template."""
+        k = _kernels()[kname]
+        in_types = [self.btype(a) for a in args]
+        all_attrs = {**k.attrs, **dict(attrs)}
+        if not k.inputs and outs and self.has(outs[0]):
+            shp, dt = self.btype(outs[0])
+            all_attrs.update(shape=shp, dtype=dt)
+            attrs = tuple(sorted({**dict(attrs), "shape": shp, "dtype": dt}.items()))
+        try:
+            out_types = k.infer(in_types, all_attrs)
+        except KernelTypeError as exc:
+            labels = []
+            at = span
+            if stdlib and call_span is not None:
+                labels = [Label(span, f"in `{kname}` here")]
+                at = call_span
+            self.fail(exc.code, exc.message if exc.message.startswith(kname) else f"{kname}: {exc.message}", at, labels=labels)
+        for o, (shp, dt) in zip(outs, out_types):
+            if self.has(o):
+                have = self.btype(o)
+                if have != (tuple(shp), dt):
+                    code = "S004" if have[1] != dt else "S003"
+                    at, labels = (call_span, [Label(span, "produced here")]) if stdlib and call_span else (span, [])
+                    self.fail(code, f"`{o}` is {dt}{list(shp)} here but {have[1]}{list(have[0])} elsewhere", at,
+                              labels=labels)
+            else:
+                for name in self.slotted(o):
+                    self.add_buffer(name, shp, dt, "temp" if ".t" in o.rsplit(".", 1)[-1][:2] else kind, span)
+        if into is not None:
+            root = self.slotted(into)[0]
+            root_b = self.buffers[root]
+            while root_b.alias_of:
+                root_b = self.buffers[root_b.alias_of]
+            for o in outs:
+                for name in self.slotted(o):
+                    b = self.buffers[name]
+                    if b.size * DTYPE_BYTES[b.dtype] > root_b.size * DTYPE_BYTES[root_b.dtype]:
+                        self.fail("S003", f"`into {into}`: `{o}` does not fit in the storage of `{into}`", span)
+                    self.buffers[name] = replace(b, alias_of=root_b.name)
+        out.append(TaskTemplate(kname, stream, tuple(args), tuple(outs), tuple(attrs), (), op_id, rep, stmt,
+                                f"{label}.{stmt}" if stmt else label, span))
+
+    def has(self, name: str) -> bool:
+        return self.slotted(name)[0] in self.buffers
+
+    # ------------------------------------------------------------------ models
+    def expand_model(self, m: A.ModelDef, slot_inputs: bool) -> tuple[list[TaskTemplate], list[TaskTemplate], ModelInfo]:
+        env: dict[str, Any] = {}
+        for kw in m.params:
+            env[kw.name.id] = self.const(kw.value, env)
+        values: dict[str, str] = {}  # model value name -> buffer name
+        inputs = []
+        fwd: list[TaskTemplate] = []
+        calls: list[_Call] = []
+        params: list[str] = []
+        for st in m.body:
+            try:
+                if isinstance(st, A.InputDecl):
+                    shape, dtype = self.type_shape(st.type, env)
+                    bname = f"{st.name.id}[{SLOT}]" if slot_inputs else st.name.id
+                    if st.name.id in values:
+                        self.fail("S002", f"`{st.name.id}` is defined twice in model `{m.name.id}`", st.name.span)
+                    for n in self.slotted(bname):
+                        self.add_buffer(n, shape, dtype, "input", st.span)
+                    values[st.name.id] = bname
+                    inputs.append((st.name.id, shape, dtype))
+                    continue
+                calls.append(self.model_call(m, st, env, values, fwd, len(calls), params))
+            except _Abort:
+                continue
+        if not calls:
+            raise _Abort()
+        last = calls[-1]
+        loss = last.bind[last.outs[0]]
+        shp, dt = self.btype(loss)
+        if shp != () or dt not in ("f32", "f64", "f16", "bf16"):
+            self.fail("S018", f"model `{m.name.id}` must end in a scalar loss; `{last.outs[0]}` is {dt}{list(shp)}",
+                      last.span, help="end the model with a loss op such as softmax_cross_entropy")
+        bwd = self.derive_backward(m, calls, loss, params)
+        logits = last.bind.get(last.inputs[0], "") if last.inputs else ""
+        labels = last.bind.get(last.inputs[1], "") if len(last.inputs) > 1 else ""
+        label_input = next((k for k, v in values.items() if v == labels), "")
+        batch = int(env.get("batch", inputs[0][1][0] if inputs else 1))
+        info = ModelInfo(m.name.id, tuple(inputs), tuple(params), tuple(f"grad.{p}" for p in params), loss,
+                         logits, label_input, batch, tuple(fwd))
+        return fwd, bwd, info
+
+    def model_call(self, m, st: A.OpUse, env, values, fwd, op_id, params) -> _Call:
+        name = st.call.func
+        if name.id not in self.ops:
+            self.fail("S006", f"unknown op `{name.id}`", name.span,
+                      help="ops come from stdlib/ops.sched or an `op` block of this file")
+        op = self.ops[name.id]
+        ins, prm, grads, states, attrs = self.classify(op)
+        if grads or states:
+            self.fail("S015", f"`{op.name}` is an optimizer op; call it in a graph body on a model", name.span)
+        # Free dimensions: named in param/output types but not in input types.
+        in_dims = {d.name.id for p in ins if p.type for d in p.type.dims if isinstance(d, A.Var)}
+        free: list[str] = []
+        for t in [p.type for p in prm] + [o.type for o in op.outs]:
+            if t is None:
+                continue
+            for d in t.dims:
+                if isinstance(d, A.Var) and d.name.id not in in_dims and d.name.id not in free:
+                    free.append(d.name.id)
+        slots_ = [p.name.id for p in ins] + free + [a.name.id for a in attrs]
+        pos = list(st.call.args)
+        if len(pos) > len(slots_) or len(pos) < len(ins):
+            need = f"{len(ins)} input(s) ({', '.join(p.name.id for p in ins)})"
+            if free:
+                need += f" and the dimension(s) {', '.join(free)}"
+            self.fail("S005", f"op `{op.name}` takes {need}; {len(pos)} argument(s) given", st.call.span,
+                      labels=[Label(op.name_span, "defined here")] if op.name_span and op.name_span.file != STDLIB_PATH else [])
+        given: dict[str, A.Expr] = dict(zip(slots_, pos))
+        for kw in st.call.kwargs:
+            if kw.name.id not in slots_:
+                self.fail("S015", f"op `{op.name}` has no parameter `{kw.name.id}`", kw.name.span,
+                          help=f"parameters: {', '.join(slots_)}")
+            given[kw.name.id] = kw.value
+        bind: dict[str, str] = {}
+        dims: dict[str, Any] = {}
+        for p in ins:
+            a = given.get(p.name.id)
+            if a is None:
+                self.fail("S005", f"op `{op.name}` needs its input `{p.name.id}`", st.call.span)
+            if not isinstance(a, A.Var):
+                self.fail("S015", f"input `{p.name.id}` of `{op.name}` must name a value of the model", a.span)
+            if a.name.id not in values:
+                self.fail("S007", f"unknown value `{a.name.id}` in model `{m.name.id}`", a.name.span,
+                          help=("values so far: " + ", ".join(values)) if values else "declare it with `input`")
+            bind[p.name.id] = values[a.name.id]
+            if p.type is not None:
+                self.unify(p.type, self.btype(values[a.name.id]), dims, f"`{a.name.id}`", a.span, p.span)
+        for d in free:
+            if d in given:
+                v = self.const(given[d], env)
+                if not isinstance(v, int) or v <= 0:
+                    self.fail("S003", f"dimension `{d}` must be a positive integer, got {v!r}", given[d].span)
+                dims[d] = v
+            else:
+                self.fail("S005", f"op `{op.name}` needs the dimension `{d}`", st.call.span)
+        attr_vals = {a.name.id: self.const(a.default, {}) for a in attrs}
+        for a in attrs:
+            if a.name.id in given:
+                attr_vals[a.name.id] = self.const(given[a.name.id], env)
+        target0 = st.targets[0].id
+        for p in prm:
+            if p.type is None:
+                self.fail("S015", f"parameter `{p.name.id}` of op `{op.name}` needs a type", p.span)
+            shape, dtype = self.type_shape(p.type, dims)
+            init = "glorot"
+            if isinstance(p.default, A.Var):
+                init = p.default.id if hasattr(p.default, "id") else p.default.name.id
+                if init not in INITS:
+                    self.fail("S015", f"unknown init `{init}`", p.default.span, help=f"inits: {', '.join(INITS)}")
+            bname = f"{target0}.{p.name.id}"
+            self.add_buffer(bname, shape, dtype, "param", p.span, init=init)
+            params.append(bname)
+            bind[p.name.id] = bname
+        if len(st.targets) != len(op.outs):
+            self.fail("S005", f"op `{op.name}` produces {len(op.outs)} value(s); {len(st.targets)} target(s) given",
+                      st.span)
+        for t, o in zip(st.targets, op.outs):
+            if t.id in values:
+                self.fail("S002", f"`{t.id}` is defined twice in model `{m.name.id}`", t.span)
+            slotted = any(SLOT in b for b in bind.values())
+            bname = f"{t.id}[{SLOT}]" if False and slotted else t.id
+            bind[o.name.id] = bname
+            if o.type is not None:
+                shape, dtype = self.type_shape(o.type, dims)
+                self.add_buffer(bname, shape, dtype, "act", t.span)
+            values[t.id] = bname
+        env_op = dict(bind)
+        env_op["__attrs__"] = attr_vals
+        label = f"{op.name}@{target0}"
+        self.expand_op(op, env_op, attr_vals, fwd, op_id, target0, label, st.span)
+        return _Call(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
+                     tuple(o.name.id for o in op.outs), st.span, label)
+
+    def derive_backward(self, m, calls: list[_Call], loss: str, params: list[str]) -> list[TaskTemplate]:
+        """Reverse-mode: gradients flow from d(loss) = 1 through each call's `.backward` op in
+        reverse order; a value used by several calls gets one partial per use, summed."""
+        needs: set[str] = set(params)
+        for c in calls:
+            if any(c.bind[n] in needs for n in c.inputs + c.params):
+                needs.update(c.bind[o] for o in c.outs)
+        uses: dict[str, int] = {}
+        for c in calls:
+            for n in c.inputs:
+                if c.bind[n] in needs:
+                    uses[c.bind[n]] = uses.get(c.bind[n], 0) + 1
+        seed = "d.loss"
+        self.add_buffer(seed, (), self.btype(loss)[1], "const", init="ones")
+        partials: dict[str, list[str]] = {loss: [seed]}
+        bwd: list[TaskTemplate] = []
+        op_id = len(calls)
+        for c in reversed(calls):
+            if not any(c.bind[n] in needs for n in c.inputs + c.params):
+                continue
+            outs_g = {o: partials.get(c.bind[o], []) for o in c.outs}
+            if not any(outs_g.values()):
+                continue
+            bop = self.ops.get(c.op.name + ".backward")
+            if bop is None:
+                self.fail("S012", f"op `{c.op.name}` has no backward, but model `{m.name.id}` is trained through it",
+                          c.span, help=f"define `op {c.op.name}.backward(...)`, or stop gradients before it")
+            bind: dict[str, str] = {}
+            for o, ps in outs_g.items():
+                gname = f"d.{c.bind[o]}"
+                if not ps:
+                    continue
+                if len(ps) == 1:
+                    gname = ps[0]
+                else:
+                    stream = self.placed(bop.name, self.stream(bop.stream, bop.name in self.stdlib_ops), False)
+                    acc = ps[0]
+                    for i, p in enumerate(ps[1:]):
+                        dst = gname if i == len(ps) - 2 else f"{gname}.sum{i}"
+                        self.emit("accumulate", (acc, p), (dst,), (), stream, bwd, op_id, stream, "",
+                                  f"sum@{c.bind[o]}", c.span, None, False, kind="grad")
+                        acc = dst
+                bind["d" + o] = gname
+            need_outs = set()
+            out_bind: dict[str, str] = {}
+            for od in bop.outs:
+                x = od.name.id[1:] if od.name.id.startswith("d") else None
+                if x is None or (x not in c.inputs and x not in c.params):
+                    self.fail("S007", f"backward output `{od.name.id}` names no input of `{c.op.name}`", od.span,
+                              help="outputs of NAME.backward are named d<input>")
+                buf = c.bind[x]
+                if buf not in needs:
+                    continue
+                if x in c.params:
+                    target = f"grad.{buf}"
+                else:
+                    lst = partials.setdefault(buf, [])
+                    target = f"d.{buf}" if uses.get(buf, 1) == 1 else f"d.{buf}#{len(lst) + 1}"
+                    lst.append(target)
+                out_bind[od.name.id] = target
+                need_outs.add(od.name.id)
+            for p in bop.params:
+                n = p.name.id
+                if n in bind:
+                    continue
+                if n in c.bind:
+                    bind[n] = c.bind[n]
+                elif n.startswith("d") and n[1:] in c.outs:
+                    self.fail("S007", f"`{n}`: no gradient reaches `{n[1:]}` of `{c.op.name}`", p.span)
+                else:
+                    self.fail("S007", f"backward parameter `{n}` names nothing of `{c.op.name}`", p.span,
+                              help=f"it may name {', '.join(['d' + o for o in c.outs] + list(c.bind))}")
+            env = {**bind, **out_bind, "__attrs__": c.attrs}
+            for od_name, target in out_bind.items():
+                if target.startswith("grad."):
+                    kind = "grad"
+                    shp, dt = self.btype(target[5:])
+                    self.add_buffer(target, shp, dt, kind)
+            self.expand_op(bop, env, c.attrs, bwd, op_id, f"{c.label.split('@')[-1]}.bwd",
+                           f"{bop.name}@{c.label.split('@')[-1]}", c.span, need=need_outs)
+            op_id += 1
+        return bwd
+
+    # ------------------------------------------------------------------ graphs
+    def expand_graph(self, g: A.GraphDef, fwd, bwd, model_name: str, op_base: int) -> GraphInfo:
+        home = self.stream(g.stream, stdlib=False)
+        out: list[TaskTemplate] = []
+        slotted_graph = bool(g.slots)
+        op_id = op_base
+        for st in g.body:
+            try:
+                if isinstance(st, A.CopyStmt):
+                    if st.source.id != "batch":
+                        self.fail("S007", f"unknown data source `{st.source.id}`", st.source.span,
+                                  help="`copy batch -> x, y` copies the next batch of the train block's data")
+                    for t in st.targets:
+                        b = t.id + (f"[{SLOT}]" if slotted_graph else "")
+                        if not self.has(b):
+                            self.fail("S007", f"`{t.id}` is not an input of the model", t.span)
+                        hb = f"{t.id}@host" + (f"[{SLOT}]" if slotted_graph else "")
+                        shp, dt = self.btype(b)
+                        for n in self.slotted(hb):
+                            self.add_buffer(n, shp, dt, "staging", t.span, space="host")
+                        out.append(TaskTemplate("stage", HOST, (), (hb,), (("field", t.id),), (), op_id, HOST,
+                                                f"stage.{t.id}", f"{g.name.id}: stage {t.id}", t.span))
+                        out.append(TaskTemplate("h2d", home, (hb,), (b,), (), (), op_id, home, t.id,
+                                                f"{g.name.id}: copy {t.id}", t.span))
+                    op_id += 1
+                elif isinstance(st, (A.ForwardStmt, A.BackwardStmt)):
+                    if st.model.id != model_name:
+                        self.fail("S013", f"unknown model `{st.model.id}`", st.model.span,
+                                  help=f"models: {', '.join(self.models) or 'none'}")
+                    src = fwd if isinstance(st, A.ForwardStmt) else bwd
+                    base = len(out)
+                    for t in src:
+                        out.append(replace(t, op=t.op + op_base + 1000 * (1 + isinstance(st, A.BackwardStmt)),
+                                           after=tuple(a + base for a in t.after),
+                                           label=f"{g.name.id}: {t.label}"))
+                elif isinstance(st, A.ClearStmt):
+                    for buf in self.graph_call_targets(st.call, model_name):
+                        op = self.ops["clear"]
+                        self.expand_op(op, {"x": buf, "__attrs__": {}}, {}, out, op_id, f"clear.{buf}",
+                                       f"{g.name.id}: clear@{buf}", st.span)
+                        op_id += 1
+                elif isinstance(st, A.UploadStmt):
+                    stream = self.stream(st.stream, False) if st.stream else home
+                    self.upload(st.name, stream, out, op_id, g.name.id)
+                    op_id += 1
+                elif isinstance(st, A.SyncStmt):
+                    out.append(TaskTemplate("synchronize", home, (), (), (), (), op_id, home, "synchronize",
+                                            f"{g.name.id}: synchronize", st.span))
+                    op_id += 1
+                elif isinstance(st, A.AllocStmt):
+                    shape, dtype = self.type_shape(st.type, {})
+                    self.add_buffer(st.name.id, shape, dtype, "temp", st.span)
+                    out.append(TaskTemplate("alloc", home, (), (st.name.id,), (("shape", shape), ("dtype", dtype)), (),
+                                            op_id, home, st.name.id, f"{g.name.id}: alloc {st.name.id}", st.span))
+                    op_id += 1
+                elif isinstance(st, A.CallStmt):
+                    op_id = self.graph_op_call(g, st, out, op_id, model_name)
+            except _Abort:
+                continue
+        slotted = any(SLOT in n for t in out for n in t.args + t.outs)
+        return GraphInfo(g.name.id, home, tuple(s.id for s in g.slots), tuple(out), slotted, g.span)
+
+    def graph_call_targets(self, call: A.Call, model_name: str) -> list[str]:
+        if call.func.id != "grad" or len(call.args) != 1 or not isinstance(call.args[0], A.Var):
+            self.fail("S015", "`clear` takes `grad(MODEL)`", call.span)
+        m = call.args[0].name
+        if m.id != model_name:
+            self.fail("S013", f"unknown model `{m.id}`", m.span, help=f"models: {', '.join(self.models) or 'none'}")
+        return list(self.model_info.grads) if self.model_info else []
+
+    def upload(self, name: A.Name, stream: str, out, op_id, where: str) -> None:
+        hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots else "")
+        for n in self.slotted(hb):
+            self.add_buffer(n, (), "f32", "staging", name.span, space="host")
+        self.add_buffer(name.id, (), "f32", "scalar", name.span)
+        self.uploads.add(name.id)
+        out.append(TaskTemplate("set_scalar", HOST, (), (hb,), (("name", name.id),), (), op_id, HOST,
+                                f"set.{name.id}", f"{where}: set {name.id}", name.span))
+        out.append(TaskTemplate("h2d", stream, (hb,), (name.id,), (), (), op_id, stream, f"upload.{name.id}",
+                                f"{where}: upload {name.id}", name.span))
+
+    def device_scalar(self, v: A.Var) -> str:
+        n = v.name.id
+        if n in self.buffers and self.buffers[n].kind != "scalar":
+            return n
+        if n in self.uploads_planned:
+            self.add_buffer(n, (), "f32", "scalar", v.span)
+            return n
+        if n in KNOWN_HOST_VALUES:
+            self.fail("C002", f"host value `{n}` is read inside a captured graph, but never uploaded to the device",
+                      v.span, help=f"add `upload {n} on trans` to the step: step-varying values live in device buffers")
+        self.fail("S007", f"unknown buffer or value `{n}`", v.span)
+        return n
+
+    def graph_op_call(self, g: A.GraphDef, st: A.CallStmt, out, op_id: int, model_name: str) -> int:
+        name = st.call.func
+        if name.id not in self.ops:
+            self.fail("S006", f"unknown op `{name.id}`", name.span, help="ops: " + ", ".join(sorted(self.ops)))
+        op = self.ops[name.id]
+        ins, prm, grads, states, attrs = self.classify(op)
+        args = list(st.call.args)
+        per_param = bool(prm)
+        if per_param:
+            if not args or not isinstance(args[0], A.Var) or args[0].name.id != model_name:
+                if args and isinstance(args[0], A.Var) and args[0].name.id not in self.models:
+                    self.fail("S013", f"unknown model `{args[0].name.id}`", args[0].span)
+                self.fail("S015", f"`{op.name}` updates a model's parameters: its first argument is the model",
+                          st.call.span)
+            args = args[1:]
+        if len(args) != len(ins):
+            self.fail("S005", f"op `{op.name}` takes {len(ins) + per_param} argument(s) "
+                      f"({'model, ' if per_param else ''}{', '.join(p.name.id for p in ins)}); "
+                      f"{len(st.call.args)} given", st.call.span)
+        attr_vals = {a.name.id: self.const(a.default, {}) for a in attrs}
+        for kw in st.call.kwargs:
+            if kw.name.id not in attr_vals:
+                self.fail("S015", f"op `{op.name}` has no attribute `{kw.name.id}`", kw.name.span,
+                          help=f"attributes: {', '.join(attr_vals) or 'none'}")
+            attr_vals[kw.name.id] = self.const(kw.value, {})
+        base: dict[str, str] = {}
+        for p, a in zip(ins, args):
+            if not isinstance(a, A.Var):
+                self.fail("S015", f"argument `{p.name.id}` of `{op.name}` must name a buffer", a.span)
+            buf = self.device_scalar(a)
+            if p.type is not None:
+                self.unify(p.type, self.btype(buf), {}, f"`{a.name.id}`", a.span, p.span)
+            base[p.name.id] = buf
+        params = list(self.model_info.params) if (per_param and self.model_info) else [None]
+        for pbuf in params:
+            bind = dict(base)
+            if pbuf is not None:
+                shp, dt = self.btype(pbuf)
+                bind[prm[0].name.id] = pbuf
+                for gp in grads:
+                    bind[gp.name.id] = f"grad.{pbuf}"
+                for sp in states:
+                    sname = f"{op.name}.{sp.name.id}.{pbuf}"
+                    self.add_buffer(sname, shp, dt, "state", sp.span, init="zeros")
+                    bind[sp.name.id] = sname
+            bind["__attrs__"] = attr_vals
+            tag = pbuf or op.name
+            self.expand_op(op, bind, attr_vals, out, op_id, f"{op.name}.{tag}", f"{g.name.id}: {op.name}@{tag}",
+                           st.span)
+            op_id += 1
+        return op_id
+
+    # ------------------------------------------------------------------ step, train
+    def resolve_step(self, graphs: dict[str, GraphInfo]) -> tuple[Launch, ...]:
+        if not self.steps:
+            return ()
+        s = self.steps[0]
+        slot_param = s.param.id if s.param else ""
+        out = []
+        for st in s.body:
+            try:
+                after = tuple(self.after_ref(r, graphs) for r in st.clauses.after)
+                if isinstance(st, A.UploadStmt):
+                    stream = self.stream(st.stream, False) if st.stream else self.fold("trans")
+                    out.append(Launch("upload", name=st.name.id, stream=stream, after=after, span=st.span))
+                elif isinstance(st, A.SyncStmt):
+                    out.append(Launch("sync", span=st.span))
+                else:
+                    out.append(self.launch(st, graphs, slot_param, after))
+            except _Abort:
+                continue
+        return tuple(out)
+
+    def after_ref(self, r: A.Ref, graphs) -> AfterRef:
+        parts = [p.id for p in r.parts]
+        prev = False
+        if len(parts) == 2 and parts[0] == "prev":
+            prev, parts = True, parts[1:]
+        if len(parts) != 1 or parts[0] not in graphs:
+            self.fail("S008", f"unknown graph `{r.text}` in `after`", r.span,
+                      help=f"graphs: {', '.join(graphs)}; `prev.NAME` names the previous step's launch")
+        return AfterRef(parts[0], prev, r.span)
+
+    def slot_of(self, idx: A.Name, slot_param: str) -> str:
+        if idx.id == slot_param:
+            return "slot"
+        if idx.id == "next":
+            return "next"
+        if idx.id in self.slots:
+            return idx.id
+        self.fail("S009", f"unknown slot `{idx.id}`", idx.span,
+                  help=f"use `{slot_param or 'slot'}` (this step's slot), `next`, or one of {', '.join(self.slots) or 'no slots'}")
+        return ""
+
+    def launch(self, st: A.LaunchStmt, graphs, slot_param: str, after) -> Launch:
+        r = st.ref
+        gname = ".".join(p.id for p in r.parts)
+        if gname not in graphs:
+            self.fail("S008", f"unknown graph `{gname}`", r.span, help=f"graphs: {', '.join(graphs) or 'none'}")
+        g = graphs[gname]
+        slot = ""
+        if r.index is not None:
+            if not g.slots:
+                self.fail("S009", f"graph `{gname}` has no slots", r.index.span,
+                          help=f"declare them: `graph {gname}[a, b] on ...`")
+            slot = self.slot_of(r.index, slot_param)
+        for b in st.binds or ():
+            bg = ".".join(p.id for p in b.parts)
+            if bg not in graphs:
+                self.fail("S008", f"unknown graph `{bg}`", b.span)
+            if b.index is None:
+                self.fail("S009", f"`{bg}` needs a slot here: `{bg}[{slot_param or 'slot'}]`", b.span)
+            if not graphs[bg].slots:
+                self.fail("S009", f"graph `{bg}` has no slots", b.index.span)
+            slot = self.slot_of(b.index, slot_param)
+        if g.slotted and not slot:
+            self.fail("S017", f"graph `{gname}` uses per-slot buffers; say which slot it runs on",
+                      r.span, help=f"write `{gname}(load[{slot_param or 'slot'}])` or `{gname}[{slot_param or 'slot'}]`")
+        return Launch("graph", graph=gname, slot=slot, after=after, span=st.span)
+
+    def train_items(self) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Span | None], ...]]:
+        if self.train is None:
+            return (), ()
+        vals, spans = [], []
+        seen: dict[str, Span | None] = {}
+        for it in self.train.items:
+            k = it.key.id
+            if k not in TRAIN_KEYS:
+                self.err("S015", f"unknown train setting `{k}`", it.key.span, help=f"settings: {', '.join(TRAIN_KEYS)}")
+                continue
+            if k in seen:
+                self.err("S002", f"train setting `{k}` is given twice", it.key.span,
+                         labels=[Label(seen[k], "first given here")])
+                continue
+            seen[k] = it.span
+            try:
+                vals.append((k, self.train_value(it.value)))
+                spans.append((k, it.value.span))
+            except _Abort:
+                continue
+        return tuple(vals), tuple(spans)
+
+    def train_value(self, e: A.Expr) -> Any:
+        if isinstance(e, A.Call):
+            args = tuple(self.train_value(a) for a in e.args)
+            kws = tuple((k.name.id, self.train_value(k.value)) for k in e.kwargs)
+            return CallValue(e.func.id, args, kws, e.span)
+        if isinstance(e, A.Var):
+            return e.name.id
+        return self.const(e, {})
+
+    # ------------------------------------------------------------------ driver
+    def run(self, path: str, policy: str | None, capture: str | None) -> Program:
+        self.collect()
+        train_vals, train_spans = self.train_items()
+        tv = dict(train_vals)
+        # The trained model: the train block's `model`, else the only one.
+        model_ast = None
+        if "model" in tv:
+            if tv["model"] not in self.models:
+                self.err("S013", f"unknown model `{tv['model']}`", dict(train_spans).get("model"),
+                         help=f"models: {', '.join(self.models) or 'none'}")
+            else:
+                model_ast = self.models[tv["model"]]
+        elif self.models:
+            model_ast = next(iter(self.models.values()))
+        # Slots come from the slotted graph that copies the batch.
+        for g in self.graphs_ast.values():
+            if g.slots:
+                names = tuple(s.id for s in g.slots)
+                if len(set(names)) != len(names):
+                    self.err("S002", f"graph `{g.name.id}` names a slot twice", g.span)
+                elif self.slots and names != self.slots:
+                    self.err("S009", f"graph `{g.name.id}` has slots {list(names)}, others have {list(self.slots)}",
+                             g.span)
+                else:
+                    self.slots = names
+        copies_inputs = any(isinstance(s, A.CopyStmt) and g.slots for g in self.graphs_ast.values() for s in g.body)
+        # Planned uploads (a graph may read `lr` only if the step or a graph uploads it).
+        self.uploads_planned = {st.name.id for s in self.steps for st in s.body if isinstance(st, A.UploadStmt)}
+        self.uploads_planned |= {st.name.id for g in self.graphs_ast.values() for st in g.body
+                                 if isinstance(st, A.UploadStmt)}
+        fwd: list[TaskTemplate] = []
+        bwd: list[TaskTemplate] = []
+        if model_ast is not None:
+            try:
+                fwd, bwd, self.model_info = self.expand_model(model_ast, copies_inputs and bool(self.slots))
+            except _Abort:
+                pass
+        # Check every op body where it is defined, used or not (LANGUAGE.md, "Barrier policies").
+        graphs: dict[str, GraphInfo] = {}
+        for i, g in enumerate(self.graphs_ast.values()):
+            try:
+                graphs[g.name.id] = self.expand_graph(g, fwd, bwd, self.model_info.name if self.model_info else "",
+                                                      10000 * (i + 1))
+            except _Abort:
+                continue
+        step = self.resolve_step(graphs)
+        pol = policy or (tv.get("barriers") if isinstance(tv.get("barriers"), str) else None) or \
+            (self.barriers.policy.id if self.barriers else "auto")
+        if pol not in POLICIES:
+            span = dict(train_spans).get("barriers") or (self.barriers.policy.span if self.barriers else None)
+            self.err("S015", f"unknown barrier policy `{pol}`", span, help=f"policies: {', '.join(POLICIES)}")
+        cap = capture or tv.get("capture", "step")
+        if cap not in CAPTURES:
+            self.err("S015", f"unknown capture mode `{cap}`", dict(train_spans).get("capture"),
+                     help=f"modes: {', '.join(CAPTURES)}")
+        if self.diags:
+            raise StreamschedError(self.diags)
+        return Program(path, tuple((n, r) for n, (r, _) in self.streams.items()), tuple(self.buffers.values()),
+                       tuple(self.inits.items()), tuple(graphs.values()), step, self.slots, self.model_info,
+                       train_vals, train_spans, pol, cap, tuple(sorted(self.uploads)))
+
+
+def _type_text(t: A.TypeExpr) -> str:
+    def d(e):
+        if isinstance(e, A.Var):
+            return e.name.id
+        if isinstance(e, A.Num):
+            return str(e.value)
+        return "?"
+
+    return f"{t.dtype.id}[{', '.join(d(x) for x in t.dims)}]"
+
+
+def _expr_names(e: A.Expr) -> set[str]:
+    if isinstance(e, A.Var):
+        return {e.name.id}
+    if isinstance(e, A.Call):
+        out: set[str] = set()
+        for a in e.args:
+            out |= _expr_names(a)
+        return out
+    if isinstance(e, A.BinOp):
+        return _expr_names(e.left) | _expr_names(e.right)
+    if isinstance(e, (A.Neg, A.Transpose)):
+        return _expr_names(e.operand)
+    return set()
+
+
+def check_ops(res: Resolver) -> None:
+    """Expand every user op body once on fresh parameter buffers, so hazards and unknown names
+    inside an op are reported where it is defined, used or not."""
+    # (Type-free: op parameters without types have no shapes; only names and streams are checked.)
+    for op in res.ops.values():
+        if op.name in res.stdlib_ops:
+            continue
+        try:
+            if op.stream:
+                res.stream(op.stream, False)
+            names = {p.name.id for p in op.params} | {o.name.id for o in op.outs}
+            defined = set(names)
+            for st in op.body:
+                if st.clauses.on is not None:
+                    res.stream(st.clauses.on, False)
+                for n in _expr_names(st.expr):
+                    if n not in defined and n not in {p.name.id for p in op.params}:
+                        res.err("S007", f"unknown buffer `{n}` in op `{op.name}`", _find_var(st.expr, n) or st.span)
+                for t in st.targets:
+                    defined.add(t.id)
+                _check_kernel_names(res, st.expr)
+        except _Abort:
+            continue
+
+
+def _find_var(e: A.Expr, n: str) -> Span | None:
+    if isinstance(e, A.Var) and e.name.id == n:
+        return e.name.span
+    for ch in (getattr(e, "args", ()) or ()) + tuple(x for x in (getattr(e, "left", None), getattr(e, "right", None),
+                                                                 getattr(e, "operand", None)) if x is not None):
+        s = _find_var(ch, n)
+        if s:
+            return s
+    return None
+
+
+def _check_kernel_names(res: Resolver, e: A.Expr) -> None:
+    kernels = _kernels()
+    if isinstance(e, A.Call):
+        if e.func.id not in kernels:
+            res.err("S014", f"unknown kernel `{e.func.id}`", e.func.span,
+                    help="kernels are the stdlib primitives listed in docs/kernels.md")
+        for a in e.args:
+            _check_kernel_names(res, a)
+    elif isinstance(e, A.BinOp):
+        _check_kernel_names(res, e.left)
+        _check_kernel_names(res, e.right)
+    elif isinstance(e, (A.Neg, A.Transpose)):
+        _check_kernel_names(res, e.operand)
+
+
+def resolve(path: str, text: str | None = None, *, policy: str | None = None, capture: str | None = None,
+            sources: SourceCache | None = None) -> Program:
+    """Read, parse and resolve a `.sched` file (and its includes) into a `Program`.
+
+    policy/capture override the file's settings (the command line wins).  Raises
+    StreamschedError carrying every diagnostic found (P, S and C families), sorted later by the
+    renderer.
+    """
+    sources = sources if sources is not None else SourceCache()
+    files, diags = load_program_files(path, text, sources)
+    if diags:
+        raise StreamschedError(diags)
+    res = Resolver(files)
+    check_ops(res)
+    try:
+        prog = res.run(path, policy, capture)
+    except StreamschedError:
+        raise
+    digest = hashlib.sha256("\n".join(sources.texts.get(f.path, "") for f in files).encode()).hexdigest()[:16]
+    return replace(prog, text_hash=digest)

@@ -1,0 +1,360 @@
+"""The CUDA device side of the CUDA backend: one non-blocking stream, one cuBLAS handle and one
+fixed workspace per declared stream, pre-created events, pinned host memory, captured-safe
+copies, and read-back of captured graphs (CUDA_PITFALLS.md rules 1-3, 8, 11, 18, 23).
+
+CuPy, nvmath-python and cuda-python are imported lazily, on first use, so that importing this
+module never needs a GPU.  Every cuda.bindings call goes through `check`, since those calls
+return error codes instead of raising (pitfall 23).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+WORKSPACE_BYTES = 32 << 20
+"""cuBLAS workspace per stream: set once before any capture, so captured GEMMs allocate nothing
+(pitfall 2: without it cuBLAS puts MemAlloc/MemFree nodes into the graph)."""
+
+# cudaDataType_t values (library_types.h); nvmath's bindings take plain ints.
+_CUDA_R_16F, _CUDA_R_32F = 2, 0
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call (through cuda.bindings) returned an error code."""
+
+
+def cupy_module():
+    """CuPy, imported on first use (never at import time of streamsched)."""
+    import cupy
+
+    return cupy
+
+
+def cudart():
+    """cuda.bindings.runtime, imported on first use."""
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def cublas():
+    """nvmath-python's cuBLAS bindings, imported on first use."""
+    from nvmath.bindings import cublas as _cublas
+
+    return _cublas
+
+
+def check(result: Any, what: str = "CUDA call") -> Any:
+    """Raise CudaError unless `result` (a cuda.bindings return value: an error code, or a tuple
+    whose first element is one) is success; return the remaining values (None, one value, or a
+    tuple of them)."""
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    code = int(err)
+    if code != 0:
+        rt = cudart()
+        try:
+            name = rt.cudaGetErrorName(err)[1]
+            text = rt.cudaGetErrorString(err)[1]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            text = text.decode() if isinstance(text, bytes) else str(text)
+        except Exception:  # pragma: no cover - the error is what matters
+            name, text = str(err), ""
+        raise CudaError(f"{what} failed: {name} ({code}): {text}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+class DeviceContext:
+    """Streams, cuBLAS handles, workspaces and helpers for one GPU.
+
+    streams: the declared stream names (never `host`); each gets its own
+    `cupy.cuda.Stream(non_blocking=True)`, so the legacy default stream is never touched
+    (pitfall 18), and its own cuBLAS handle bound to it with a `workspace_bytes` workspace.
+    `tf32=True` lets cuBLAS use TF32 tensor cores for fp32 GEMMs (off by default: results then
+    match NumPy to about 1e-6 relative).
+    """
+
+    def __init__(self, streams: Sequence[str], *, workspace_bytes: int = WORKSPACE_BYTES,
+                 device: int | None = None, tf32: bool = False):
+        cp = cupy_module()
+        self.cp = cp
+        if device is not None:
+            cp.cuda.Device(device).use()
+        self.device_id = cp.cuda.runtime.getDevice()
+        names = tuple(dict.fromkeys(s for s in streams if s != "host"))
+        if not names:
+            raise ValueError("DeviceContext needs at least one device stream")
+        self.names = names
+        self.streams: dict[str, Any] = {n: cp.cuda.Stream(non_blocking=True) for n in names}
+        self.workspace_bytes = int(workspace_bytes)
+        self.workspaces: dict[str, Any] = {}
+        self.handles: dict[str, int] = {}
+        self._consts: dict[tuple[str, float], Any] = {}
+        self._tf32 = tf32
+        self._closed = False
+
+    # -- streams ------------------------------------------------------------------------------
+
+    def stream(self, s: Any):
+        """The CuPy stream for a stream name (a Stream object passes through)."""
+        if isinstance(s, str):
+            try:
+                return self.streams[s]
+            except KeyError:
+                raise KeyError(f"unknown stream {s!r}; declared: {', '.join(self.names)}") from None
+        return s
+
+    def stream_ptr(self, s: Any) -> int:
+        return int(self.stream(s).ptr)
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this context."""
+        for st in self.streams.values():
+            st.synchronize()
+
+    def device_synchronize(self) -> None:
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    # -- events and host memory ---------------------------------------------------------------
+
+    def make_events(self, n: int) -> list[Any]:
+        """n events, created now (before any capture), timing disabled."""
+        return [self.cp.cuda.Event(disable_timing=True) for _ in range(n)]
+
+    def pinned_zeros(self, nbytes: int):
+        """A zeroed NumPy uint8 array in page-locked host memory; keep it alive as long as any
+        graph that copies from or to it may run (pitfall 10)."""
+        import cupyx
+
+        return cupyx.zeros_pinned((max(int(nbytes), 1),), dtype="uint8")
+
+    # -- cuBLAS -------------------------------------------------------------------------------
+
+    def handle(self, s: str) -> int:
+        """The cuBLAS handle of stream `s`, created on first use with its stream and workspace
+        set; call `init_blas()` before any capture so that creation never happens inside one."""
+        h = self.handles.get(s)
+        if h is None:
+            self.init_blas((s,))
+            h = self.handles[s]
+        return h
+
+    def init_blas(self, names: Sequence[str] | None = None) -> None:
+        """Create the cuBLAS handle, set stream and workspace, for each of `names` (all streams
+        by default).  Must run outside any capture."""
+        cb = cublas()
+        for s in names or self.names:
+            if s in self.handles:
+                continue
+            st = self.stream(s)
+            h = cb.create()
+            try:
+                cb.set_stream(h, int(st.ptr))
+                ws = self.cp.empty((self.workspace_bytes,), dtype=self.cp.uint8)
+                cb.set_workspace(h, int(ws.data.ptr), self.workspace_bytes)
+                cb.set_pointer_mode(h, int(cb.PointerMode.HOST))
+                if self._tf32:
+                    cb.set_math_mode(h, int(cb.Math.TF32_TENSOR_OP_MATH))
+            except Exception:
+                cb.destroy(h)
+                raise
+            self.workspaces[s] = ws
+            self.handles[s] = h
+
+    def _const(self, dtype: str, value: float) -> int:
+        """Host pointer to a constant alpha/beta kept alive by the context (host pointer mode:
+        cuBLAS reads it when the call is made, so under capture it is frozen - fine for
+        constants, never used for step-varying scalars: pitfall 3)."""
+        import numpy as np
+
+        key = (dtype, float(value))
+        arr = self._consts.get(key)
+        if arr is None:
+            arr = np.array([value], dtype=dtype)
+            self._consts[key] = arr
+        return int(arr.ctypes.data)
+
+    def gemm(self, stream: Any, a, b, c, ta: bool = False, tb: bool = False,
+             alpha: float = 1.0, beta: float = 0.0) -> None:
+        """c = alpha * op(a) @ op(b) + beta * c for row-major, C-contiguous 2-D CuPy arrays, on
+        `stream`'s own cuBLAS handle.
+
+        cuBLAS is column-major: a row-major [r, s] matrix is its column-major transpose, so
+        row-major C = op(A) op(B) is computed as column-major C^T = op(B)^T op(A)^T, i.e.
+        gemm(opB, opA, n, m, k, B, ldb = cols(b), A, lda = cols(a), C, ldc = n)."""
+        name = stream if isinstance(stream, str) else self._name_of(stream)
+        if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
+            raise ValueError(f"gemm: 2-D operands only, got {a.shape} {b.shape} {c.shape}")
+        for nm, x in (("a", a), ("b", b), ("c", c)):
+            if not x.flags.c_contiguous:
+                raise ValueError(f"gemm: {nm} must be C-contiguous")
+        m, k = (a.shape[1], a.shape[0]) if ta else a.shape
+        k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
+        if k != k2 or c.shape != (m, n):
+            raise ValueError(f"gemm: shapes do not fit: op(a) {m}x{k}, op(b) {k2}x{n}, c {c.shape}")
+        cp = self.cp
+        if cp.shares_memory(c, a) or cp.shares_memory(c, b):
+            # cuBLAS reads while it writes: an aliased output would be garbage.
+            raise ValueError("gemm: the output shares memory with an input")
+        if m == 0 or n == 0:
+            return
+        if k == 0:
+            with self.stream(stream):
+                c.fill(0)
+            return
+        cb = cublas()
+        h = self.handle(name)
+        opa = int(cb.Operation.T if ta else cb.Operation.N)
+        opb = int(cb.Operation.T if tb else cb.Operation.N)
+        lda, ldb = a.shape[1], b.shape[1]
+        dt = a.dtype
+        if dt != b.dtype or dt != c.dtype:
+            raise ValueError(f"gemm: dtypes differ: {a.dtype} {b.dtype} {c.dtype}")
+        if dt == cp.float32:
+            cb.sgemm(h, opb, opa, n, m, k, self._const("float32", alpha), b.data.ptr, ldb,
+                     a.data.ptr, lda, self._const("float32", beta), c.data.ptr, n)
+        elif dt == cp.float64:
+            cb.dgemm(h, opb, opa, n, m, k, self._const("float64", alpha), b.data.ptr, ldb,
+                     a.data.ptr, lda, self._const("float64", beta), c.data.ptr, n)
+        elif dt == cp.float16:
+            # fp16 storage, fp32 compute (alpha/beta are floats for sgemmEx).
+            cb.sgemm_ex(h, opb, opa, n, m, k, self._const("float32", alpha), b.data.ptr,
+                        _CUDA_R_16F, ldb, a.data.ptr, _CUDA_R_16F, lda,
+                        self._const("float32", beta), c.data.ptr, _CUDA_R_16F, n)
+        else:
+            raise NotImplementedError(f"gemm: dtype {dt} is not supported")
+
+    def _name_of(self, st) -> str:
+        for n, s in self.streams.items():
+            if s is st:
+                return n
+        raise KeyError("gemm: the stream is not one of this context's streams")
+
+    # -- copies -------------------------------------------------------------------------------
+
+    def memcpy(self, stream: Any, dst, src) -> None:
+        """Copy src to dst (same byte size; CuPy device arrays or NumPy pinned arrays, any
+        direction) with cudaMemcpyAsync on `stream`.  CuPy refuses host<->device copies during
+        capture (pitfall 8), this call is captured as a memcpy node.  Host memory must be pinned
+        (pitfall 11); a captured copy reads the host buffer when it runs (pitfall 9)."""
+        n_dst, n_src = int(dst.nbytes), int(src.nbytes)
+        if n_dst != n_src:
+            raise ValueError(f"memcpy: sizes differ ({n_src} -> {n_dst} bytes)")
+        if n_dst == 0:
+            return
+        rt = cudart()
+        d_dev, s_dev = _is_device(dst), _is_device(src)
+        for nm, x in (("dst", dst), ("src", src)):
+            if not x.flags.c_contiguous:
+                raise ValueError(f"memcpy: {nm} must be C-contiguous")
+        kinds = rt.cudaMemcpyKind
+        kind = {
+            (True, False): kinds.cudaMemcpyHostToDevice,
+            (False, True): kinds.cudaMemcpyDeviceToHost,
+            (True, True): kinds.cudaMemcpyDeviceToDevice,
+            (False, False): kinds.cudaMemcpyHostToHost,
+        }[(d_dev, s_dev)]
+        check(rt.cudaMemcpyAsync(_ptr(dst), _ptr(src), n_dst, kind, self.stream_ptr(stream)),
+              "cudaMemcpyAsync")
+
+    h2d = memcpy
+    d2h = memcpy
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroy the cuBLAS handles (after synchronizing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            if self.handles:
+                cb = cublas()
+                for h in self.handles.values():
+                    try:
+                        cb.destroy(h)
+                    except Exception:  # pragma: no cover
+                        pass
+            self.handles.clear()
+
+
+def _is_device(x) -> bool:
+    return isinstance(x, cupy_module().ndarray)
+
+
+def _ptr(x) -> int:
+    if _is_device(x):
+        return int(x.data.ptr)
+    return int(x.ctypes.data)
+
+
+# -- captured graphs: read back -----------------------------------------------------------------
+
+
+def _graph_handle(graph) -> int:
+    """The cudaGraph_t of a cupy.cuda.Graph (or an int handle)."""
+    h = getattr(graph, "graph", graph)
+    return int(h)
+
+
+def graph_nodes_edges(graph) -> tuple[list[str], list[tuple[int, int]]]:
+    """Read a captured graph back: (node types, edges).  node types are cudaGraphNodeType names
+    without the prefix ("Kernel", "Memcpy", "MemAlloc", ...) in the order cudaGraphGetNodes
+    returns the nodes; edges are (from, to) indices into that list."""
+    rt = cudart()
+    g = _graph_handle(graph)
+    r = check(rt.cudaGraphGetNodes(g, 0), "cudaGraphGetNodes")
+    count = r[-1] if isinstance(r, tuple) else r
+    nodes: list = []
+    if count:
+        r = check(rt.cudaGraphGetNodes(g, count), "cudaGraphGetNodes")
+        nodes = list(r[0])
+    index = {int(nd): i for i, nd in enumerate(nodes)}
+    types = []
+    for nd in nodes:
+        t = check(rt.cudaGraphNodeGetType(nd), "cudaGraphNodeGetType")
+        name = getattr(t, "name", str(t))
+        types.append(name.replace("cudaGraphNodeType", ""))
+    r = check(rt.cudaGraphGetEdges(g, 0), "cudaGraphGetEdges")
+    n_edges = r[-1]
+    edges: list[tuple[int, int]] = []
+    if n_edges:
+        r = check(rt.cudaGraphGetEdges(g, n_edges), "cudaGraphGetEdges")
+        frm, to = r[0], r[1]  # (from, to[, edgeData], count) across cuda-bindings 12/13
+        edges = [(index[int(a)], index[int(b)]) for a, b in zip(frm, to)]
+    return types, edges
+
+
+def captured_dot(graph, path: str | None = None, verbose: bool = True) -> str:
+    """The Graphviz text of a captured graph (cudaGraphDebugDotPrint); also left at `path` when
+    one is given."""
+    import os
+    import tempfile
+
+    rt = cudart()
+    flags = 0
+    if verbose:
+        flags = int(rt.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose)
+    tmp = None
+    if path is None:
+        fd, tmp = tempfile.mkstemp(suffix=".dot")
+        os.close(fd)
+        path = tmp
+    try:
+        try:
+            check(rt.cudaGraphDebugDotPrint(_graph_handle(graph), path.encode(), flags),
+                  "cudaGraphDebugDotPrint")
+        except TypeError:
+            check(rt.cudaGraphDebugDotPrint(_graph_handle(graph), path, flags),
+                  "cudaGraphDebugDotPrint")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    finally:
+        if tmp is not None:
+            os.unlink(tmp)

@@ -1,0 +1,520 @@
+"""Runs an EventPlan on the GPU: eagerly (each instruction issued as it comes) or with every
+capture unit replayed as one CUDA graph, the instructions outside units issued eagerly.
+
+    instr     | eager                          | inside a captured unit
+    ----------+--------------------------------+-------------------------------------------
+    launch t  | twin(ctx, stream, ins, outs)   | captured into the unit's graph
+    record e  | events[e].record(stream)       | captured edge; re-recorded on the home
+              |                                |   stream after the graph launch
+    wait e    | stream.wait_event(events[e])   | captured edge when e is recorded inside the
+              | (host: events[e].synchronize())|   unit, else a wait on the home stream
+              |                                |   before the graph launch
+    begin/end | nothing                        | graph.launch(home)
+
+Everything is allocated before anything runs (device arena + pinned host arena, one view per
+buffer, aliases share storage); events are created up front; each graph owns a private memory
+pool in which its tasks were warmed up and captured (CUDA_PITFALLS.md rules 4, 5, 20).  A failure
+while capturing or replaying raises CudaTaskError naming the task, so the caller can print the
+.sched line.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from streamsched.interp.ir import HOST, Buffer, EventPlan, Instr, Schedule, Task, Unit
+from streamsched.interp.cuda.device import (DeviceContext, captured_dot, cupy_module,
+                                            graph_nodes_edges)
+
+__all__ = ["CudaExecutor", "CudaTaskError", "Program", "graph_nodes_edges", "captured_dot"]
+
+HostFn = Callable[[Task, Mapping[str, Any]], None]
+
+
+class CudaTaskError(RuntimeError):
+    """A task failed on the CUDA backend.  task: the Task (its span names the .sched line), or
+    None when the failure belongs to a unit as a whole; unit: the Unit, if any; phase: "bind",
+    "warmup", "capture", "eager" or "launch"."""
+
+    def __init__(self, message: str, task: Task | None = None, unit: Unit | None = None,
+                 phase: str = ""):
+        where = ""
+        if task is not None:
+            where = f" (task {task.id} `{task.label or task.kernel}` on {task.stream}"
+            where += f" at {task.span})" if task.span is not None else ")"
+        elif unit is not None:
+            where = f" (graph {unit.name} on {unit.home})"
+        super().__init__(f"{phase + ': ' if phase else ''}{message}{where}")
+        self.task = task
+        self.unit = unit
+        self.phase = phase
+
+
+@dataclass
+class _Bound:
+    """One task, resolved: twin, merged attributes, argument arrays."""
+
+    task: Task
+    fn: Callable | None
+    attrs: dict
+    ins: list
+    outs: list
+    host: bool
+    capturable: bool
+
+
+@dataclass
+class CapturedUnit:
+    """One captured graph and what its launch needs: waits hoisted before it, events recorded
+    after it, the private memory pool that owns its temporaries."""
+
+    graph: Any
+    pool: Any
+    home: str
+    pre_waits: tuple[int, ...]
+    post_records: tuple[int, ...]
+    tasks: tuple[int, ...]
+    units: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Program:
+    """A compiled instruction list: `ops` are (kind, a, b) tuples the run loop dispatches."""
+
+    ops: list
+    n_instrs: int
+
+
+_DTYPE_CACHE: dict[str, Any] = {}
+
+
+class CudaExecutor:
+    """Run `plan` (for `schedule`) on the GPU.
+
+    kernels: kernel name -> `Kernel` record (default `streamsched.stdlib.kernels.KERNELS`) or
+    name -> CUDA twin callable; capture: "none" (eager), "graphs" or "step" (each Unit of the
+    plan becomes one CUDA graph; units with identical instructions share one), default the
+    schedule's.  sync_each: synchronize after every eager launch so an asynchronous fault is
+    reported against its task (slow; for debugging).
+    """
+
+    def __init__(self, schedule: Schedule, plan: EventPlan, kernels: Mapping[str, Any] | None = None,
+                 capture: str | None = None, *, ctx: DeviceContext | None = None,
+                 sync_each: bool = False, tf32: bool = False):
+        cp = cupy_module()
+        self.cp = cp
+        self.schedule = schedule
+        self.plan = plan
+        self.capture = capture or schedule.capture or "none"
+        if self.capture not in ("none", "graphs", "step"):
+            raise ValueError(f"capture must be none, graphs or step, got {self.capture!r}")
+        self.sync_each = sync_each
+        if kernels is None:
+            from streamsched.stdlib.kernels import KERNELS
+
+            kernels = KERNELS
+        self.kernels = kernels
+        dev_streams = [s for s in schedule.streams if s != HOST]
+        for t in schedule.tasks:
+            if t.stream != HOST and t.stream not in dev_streams:
+                dev_streams.append(t.stream)
+        self.ctx = ctx or DeviceContext(dev_streams, tf32=tf32)
+        self.ctx.init_blas()  # handles, streams and workspaces exist before any capture
+        self.buffers = self._planned(schedule.buffers)
+        self._buf = {b.name: b for b in self.buffers}
+        self.arrays, self._arenas = self._allocate(self.buffers)
+        self.host_arrays = {b.name: self.arrays[b.name] for b in self.buffers if b.space != "device"}
+        self.events = self.ctx.make_events(plan.num_events)
+        self._fork = self.ctx.make_events(1)[0]
+        self._join = {s: ev for s, ev in zip(self.ctx.names, self.ctx.make_events(len(self.ctx.names)))}
+        self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
+        self._pool = cp.cuda.MemoryPool()  # temporaries of eager launches
+        self.graphs: dict[tuple, CapturedUnit] = {}
+        self.unit_graph: dict[int, CapturedUnit] = {}
+        self._programs: dict[int, Program] = {}
+        if self.capture != "none":
+            self.capture_units()
+
+    # -- memory -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _planned(buffers: Sequence[Buffer]) -> tuple[Buffer, ...]:
+        from streamsched.interp.memory import plan_memory
+
+        if any(b.offset < 0 for b in buffers):
+            return plan_memory(buffers)
+        return tuple(buffers)
+
+    def _allocate(self, buffers: Sequence[Buffer], arenas: dict | None = None):
+        """One zeroed arena per space (device: CuPy; anything else: pinned host memory) and one
+        view per buffer; buffers with the same byte range, dtype and shape get the very same
+        array object (CuPy copies an input that overlaps an output unless it *is* the output)."""
+        from streamsched.interp.memory import ARRAY_DTYPES, arena_sizes
+
+        cp = self.cp
+        if arenas is None:
+            arenas = {}
+            for space, n in arena_sizes(buffers).items():
+                if space == "device":
+                    arenas[space] = cp.zeros((max(n, 1),), dtype=cp.uint8)
+                else:
+                    arenas[space] = self.ctx.pinned_zeros(n)
+        views: dict[tuple, Any] = {}
+        arrays: dict[str, Any] = {}
+        for b in buffers:
+            dt = ARRAY_DTYPES.get(b.dtype)
+            if dt is None:
+                raise ValueError(f"buffer `{b.name}`: dtype {b.dtype!r} has no array dtype")
+            key = (b.space, b.offset, b.nbytes, str(dt), tuple(b.shape))
+            v = views.get(key)
+            if v is None:
+                raw = arenas[b.space][b.offset:b.offset + b.nbytes]
+                v = raw.view(dt).reshape(b.shape)
+                views[key] = v
+            arrays[b.name] = v
+        return arrays, arenas
+
+    def set(self, name: str, value) -> None:
+        """Write `value` into buffer `name` now (synchronously, on the buffer's first stream),
+        e.g. to initialise parameters or inputs before running."""
+        import numpy as np
+
+        arr = self.arrays[name]
+        val = np.asarray(value, dtype=arr.dtype).reshape(arr.shape)
+        if self._buf[name].space == "device":
+            st = self.ctx.streams[self.ctx.names[0]]
+            with st:
+                arr.set(np.ascontiguousarray(val), stream=st)
+            st.synchronize()
+        else:
+            arr[...] = val
+
+    def get(self, name: str):
+        """A NumPy copy of buffer `name`, after all streams finished."""
+        self.ctx.synchronize()
+        arr = self.arrays[name]
+        if self._buf[name].space == "device":
+            st = self.ctx.streams[self.ctx.names[0]]
+            out = arr.get(stream=st)
+            st.synchronize()
+            return out
+        return arr.copy()
+
+    # -- binding ------------------------------------------------------------------------------
+
+    def _resolve(self, kernel: str):
+        rec = self.kernels.get(kernel) if hasattr(self.kernels, "get") else None
+        if rec is None:
+            raise KeyError(f"unknown kernel {kernel!r}")
+        if callable(rec) and not hasattr(rec, "cuda"):
+            return rec, {}, False, True
+        fn = None
+        path = getattr(rec, "cuda", "") or f"streamsched.stdlib.cuda_kernels:{kernel}"
+        if not rec.host:
+            mod, _, attr = path.partition(":")
+            fn = getattr(importlib.import_module(mod), attr)
+        return fn, dict(rec.attrs), bool(rec.host), bool(rec.capturable)
+
+    def _bind(self, t: Task, arrays: Mapping[str, Any]) -> _Bound:
+        try:
+            fn, attrs, host, capturable = self._resolve(t.kernel)
+        except Exception as exc:
+            raise CudaTaskError(str(exc), task=t, phase="bind") from exc
+        attrs.update(dict(t.attrs))
+        host = host or t.stream == HOST
+        if host and t.stream != HOST:
+            raise CudaTaskError(f"host kernel {t.kernel} placed on device stream {t.stream}",
+                                task=t, phase="bind")
+        try:
+            ins = [arrays[a] for a in t.args]
+            outs = [arrays[o] for o in t.outs]
+        except KeyError as exc:
+            raise CudaTaskError(f"unknown buffer {exc}", task=t, phase="bind") from None
+        return _Bound(t, fn, attrs, ins, outs, host, capturable)
+
+    # -- eager issue --------------------------------------------------------------------------
+
+    def _launch(self, b: _Bound, phase: str) -> None:
+        t = b.task
+        try:
+            b.fn(self.ctx, t.stream, b.ins, b.outs, b.attrs)
+        except Exception as exc:
+            raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=t, phase=phase) from exc
+
+    def compile(self, instrs: Sequence[Instr] | None = None) -> Program:
+        """Turn instructions (default: the whole plan) into a Program that `run` can issue many
+        times; under capture, each begin..end range becomes one graph launch."""
+        instrs = list(self.plan.instrs if instrs is None else instrs)
+        ops: list = []
+        streams, events = self.ctx.streams, self.events
+        captured = self.capture != "none"
+        i = 0
+        while i < len(instrs):
+            ins = instrs[i]
+            op = ins.op
+            if op == "begin":
+                if captured:
+                    cu = self.unit_graph.get(ins.unit)
+                    if cu is None:
+                        raise CudaTaskError(f"unit {ins.unit} was not captured",
+                                            unit=self._unit(ins.unit), phase="launch")
+                    j = i + 1
+                    while j < len(instrs) and not (instrs[j].op == "end" and instrs[j].unit == ins.unit):
+                        j += 1
+                    ops.append(("graph", cu, ins.unit))
+                    i = j + 1
+                    continue
+            elif op == "launch":
+                b = self._bound[ins.task]
+                ops.append(("host" if b.host else "launch", b, None))
+            elif op == "record":
+                if ins.stream != HOST:  # host work is complete when issued: nothing to record
+                    ops.append(("record", events[ins.event], streams[ins.stream]))
+            elif op == "wait":
+                if ins.stream == HOST:
+                    ops.append(("sync", events[ins.event], None))
+                else:
+                    ops.append(("wait", streams[ins.stream], events[ins.event]))
+            i += 1
+        return Program(ops, len(instrs))
+
+    def run(self, instrs: Sequence[Instr] | Program | None = None,
+            host_fn: HostFn | None = None) -> None:
+        """Issue `instrs` (default: the whole plan; or a compiled Program) in order.  Host tasks
+        call host_fn(task, host_arrays) on this thread when reached.  Returns without waiting
+        for the device (the plan's host waits, or `synchronize()`, do that)."""
+        if isinstance(instrs, Program):
+            prog = instrs
+        elif instrs is None:
+            prog = self._programs.get(-1)
+            if prog is None:
+                prog = self._programs[-1] = self.compile(None)
+        else:
+            prog = self.compile(instrs)
+        cp = self.cp
+        host_arrays = self.host_arrays
+        with cp.cuda.using_allocator(self._pool.malloc):
+            for kind, a, b in prog.ops:
+                if kind == "launch":
+                    self._launch(a, "eager")
+                    if self.sync_each:
+                        self._sync_task(a)
+                elif kind == "wait":
+                    a.wait_event(b)
+                elif kind == "record":
+                    a.record(b)
+                elif kind == "graph":
+                    self._launch_graph(a, b)
+                elif kind == "sync":
+                    a.synchronize()
+                elif kind == "host":
+                    if host_fn is None:
+                        raise CudaTaskError("host task reached but run() got no host_fn",
+                                            task=a.task, phase="eager")
+                    host_fn(a.task, host_arrays)
+
+    def _sync_task(self, b: _Bound) -> None:
+        try:
+            self.ctx.stream(b.task.stream).synchronize()
+        except Exception as exc:
+            raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=b.task, phase="eager") from exc
+
+    def _launch_graph(self, cu: CapturedUnit, unit_id: int) -> None:
+        home = self.ctx.streams[cu.home]
+        for e in cu.pre_waits:
+            home.wait_event(self.events[e])
+        try:
+            cu.graph.launch(home)
+        except Exception as exc:
+            raise CudaTaskError(f"graph launch failed: {type(exc).__name__}: {exc}",
+                                unit=self._unit(unit_id), phase="launch") from exc
+        for e in cu.post_records:
+            self.events[e].record(home)
+
+    def synchronize(self) -> None:
+        self.ctx.synchronize()
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def _unit(self, uid: int) -> Unit | None:
+        units = self.schedule.units
+        if 0 <= uid < len(units) and units[uid].id == uid:
+            return units[uid]
+        for u in units:
+            if u.id == uid:
+                return u
+        return None
+
+    def unit_ranges(self) -> dict[int, tuple[int, int]]:
+        """Unit id -> (index of its begin, index of its end) in plan.instrs."""
+        out: dict[int, tuple[int, int]] = {}
+        open_: dict[int, int] = {}
+        for i, ins in enumerate(self.plan.instrs):
+            if ins.op == "begin":
+                if open_:
+                    raise CudaTaskError(f"unit {ins.unit} begins inside unit {next(iter(open_))}",
+                                        unit=self._unit(ins.unit), phase="capture")
+                open_[ins.unit] = i
+            elif ins.op == "end":
+                b = open_.pop(ins.unit, None)
+                if b is None:
+                    raise CudaTaskError(f"unit {ins.unit} ends without a begin",
+                                        unit=self._unit(ins.unit), phase="capture")
+                out[ins.unit] = (b, i)
+        if open_:
+            uid = next(iter(open_))
+            raise CudaTaskError(f"unit {uid} never ends", unit=self._unit(uid), phase="capture")
+        return out
+
+    def capture_units(self) -> None:
+        """Warm up and capture every unit of the plan (units with identical instruction lists
+        share one graph)."""
+        instrs = self.plan.instrs
+        scratch = None
+        for uid, (b, e) in self.unit_ranges().items():
+            body = instrs[b + 1:e]
+            home = instrs[b].stream
+            u = self._unit(uid)
+            if u is not None and u.home:
+                home = u.home
+            key = (home,) + tuple(self._sig(ins) for ins in body)
+            cu = self.graphs.get(key)
+            if cu is None:
+                if scratch is None:
+                    scratch = self._scratch_bound()
+                cu = self._capture(uid, home, body, scratch)
+                self.graphs[key] = cu
+            cu.units.append(uid)
+            self.unit_graph[uid] = cu
+        self.ctx.synchronize()
+
+    def _sig(self, ins: Instr) -> tuple:
+        if ins.op == "launch":
+            t = self.schedule.tasks[ins.task]
+            return ("launch", ins.stream, t.kernel, t.args, t.outs, t.attrs)
+        return (ins.op, ins.stream, ins.event)
+
+    def _scratch_bound(self) -> list[_Bound]:
+        """The tasks bound to a zeroed copy of the arenas: warm-up runs every kernel once for real
+        (compiling it and growing its graph's pool) without touching the program's state."""
+        arenas = {}
+        for space, arena in self._arenas.items():
+            if space == "device":
+                arenas[space] = self.cp.zeros_like(arena)
+            else:
+                arenas[space] = self.ctx.pinned_zeros(arena.nbytes)
+        arrays, _ = self._allocate(self.buffers, arenas)
+        return [self._bind(t, arrays) for t in self.schedule.tasks]
+
+    def _capture(self, uid: int, home_name: str, body: Sequence[Instr],
+                 scratch: list[_Bound]) -> CapturedUnit:
+        cp, ctx = self.cp, self.ctx
+        unit = self._unit(uid)
+        home = ctx.streams[home_name]
+        recorded: set[int] = set()
+        pre_waits: list[int] = []
+        issue: list[Instr] = []
+        tasks: list[int] = []
+        for ins in body:
+            if ins.op == "record":
+                if ins.stream == HOST:
+                    raise CudaTaskError("host record inside a capture unit", unit=unit, phase="capture")
+                recorded.add(ins.event)
+                issue.append(ins)
+            elif ins.op == "wait":
+                if ins.stream == HOST:
+                    raise CudaTaskError("host wait inside a capture unit", unit=unit, phase="capture")
+                if ins.event in recorded:
+                    issue.append(ins)
+                elif ins.event not in pre_waits:
+                    pre_waits.append(ins.event)  # recorded before the unit: wait before launch
+            elif ins.op == "launch":
+                b = self._bound[ins.task]
+                if b.host:
+                    raise CudaTaskError("host task inside a capture unit", task=b.task,
+                                        unit=unit, phase="capture")
+                if not b.capturable:
+                    raise CudaTaskError(f"kernel {b.task.kernel} cannot be captured", task=b.task,
+                                        unit=unit, phase="capture")
+                issue.append(ins)
+                tasks.append(ins.task)
+            elif ins.op in ("begin", "end"):
+                raise CudaTaskError("nested unit", unit=unit, phase="capture")
+        secondary = [s for s in dict.fromkeys(ins.stream for ins in issue) if s != home_name]
+
+        pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(pool.malloc):
+            # Warm-up: every kernel once, eagerly, on scratch buffers, under the graph's pool.
+            with home:
+                for ti in tasks:
+                    sb = scratch[ti]
+                    try:
+                        sb.fn(ctx, home_name, sb.ins, sb.outs, sb.attrs)
+                    except Exception as exc:
+                        raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=sb.task,
+                                            unit=unit, phase="warmup") from exc
+            try:
+                home.synchronize()
+            except Exception as exc:
+                raise CudaTaskError(f"warm-up failed: {exc}", unit=unit, phase="warmup") from exc
+
+            gc.collect()
+            gc_was = gc.isenabled()
+            gc.disable()  # pitfall 26: no collection of graphs/arrays in the middle of a capture
+            current: Task | None = None
+            try:
+                home.begin_capture()
+                try:
+                    self._fork.record(home)
+                    for s in secondary:
+                        ctx.streams[s].wait_event(self._fork)
+                    for ins in issue:
+                        if ins.op == "launch":
+                            b = self._bound[ins.task]
+                            current = b.task
+                            b.fn(ctx, b.task.stream, b.ins, b.outs, b.attrs)
+                            current = None
+                        elif ins.op == "record":
+                            self.events[ins.event].record(ctx.streams[ins.stream])
+                        else:
+                            ctx.streams[ins.stream].wait_event(self.events[ins.event])
+                    for s in secondary:  # join every forked stream (pitfall 12)
+                        self._join[s].record(ctx.streams[s])
+                        home.wait_event(self._join[s])
+                except BaseException as exc:
+                    try:
+                        home.end_capture()
+                    except Exception:
+                        pass
+                    raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=current, unit=unit,
+                                        phase="capture") from exc
+                try:
+                    graph = home.end_capture()
+                except Exception as exc:
+                    raise CudaTaskError(f"end of capture failed: {type(exc).__name__}: {exc}",
+                                        unit=unit, phase="capture") from exc
+            finally:
+                if gc_was:
+                    gc.enable()
+        for s, st in ctx.streams.items():
+            if st.is_capturing():
+                raise CudaTaskError(f"stream {s} is still capturing after the unit's capture",
+                                    unit=unit, phase="capture")
+        graph.upload(home)
+        return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(recorded)),
+                            tuple(tasks))
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def graph_of(self, unit: int) -> Any:
+        """The cupy.cuda.Graph that replays unit `unit`."""
+        return self.unit_graph[unit].graph
+
+    def close(self) -> None:
+        self.ctx.synchronize()
+        self.unit_graph.clear()
+        self.graphs.clear()
+        self.ctx.close()

@@ -1,0 +1,206 @@
+"""The scheduling IR shared by every pass after `resolve`: buffers, tasks, capture units, the
+unrolled `Schedule`, and the `EventPlan` the backends run.
+
+Stages (ARCHITECTURE.md, "Pipeline")::
+
+    Schedule    = streams, buffers (with planned byte ranges), tasks in issue order, units
+    Edge        = (u, v, kind, buffer)      kind in RAW | WAR | WAW | AFTER
+    EventPlan   = instrs in global issue order: launch t | record e | wait e | begin U | end U
+
+All records are frozen; spans never take part in equality.  Nothing here imports CuPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+HOST = "host"
+"""The implicit stream of the CPU thread (LANGUAGE.md, "The host")."""
+
+DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "u8": 1, "bool": 1}
+
+
+@dataclass(frozen=True)
+class Span:
+    """A source range; 1-based lines and columns, end exclusive (lark's convention)."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One planned memory region.
+
+    shape: dimensions in elements; dtype: a key of `DTYPE_BYTES`; space: "device" or "host"
+    (pinned staging); kind: input | param | grad | state | act | temp | scalar | staging.
+    offset/nbytes: the byte range in its space's arena, fixed before anything runs
+    (plan_memory); buffers made by `into` share the range of `alias_of`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    space: str = "device"
+    kind: str = "act"
+    offset: int = -1
+    nbytes: int = 0
+    alias_of: str | None = None
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def overlaps(self, other: "Buffer") -> bool:
+        """True when both live in one space and their byte ranges intersect."""
+        if self.space != other.space:
+            return False
+        if self.nbytes == 0 or other.nbytes == 0:
+            return False
+        return self.offset < other.offset + other.nbytes and other.offset < self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kernel launch (or one host action) in issue order.
+
+    kernel: a name in `streamsched.stdlib.kernels.KERNELS`; stream: a declared stream or HOST;
+    args: input buffer names in kernel argument order; outs: output buffer names;
+    attrs: compile-time kernel attributes; after: ids of tasks the user ordered before this one
+    (`after` clauses, resolved); unit: index into Schedule.units, -1 for work outside any capture
+    unit (host work); op: id of the op call this task belongs to (-1 for none) and rep_stream that
+    op's representative stream (the chain policy needs both); step: -1 for the prologue, else the
+    unrolled step index; stmt: the name a user writes in `after` to order work after this task
+    (a kernel's output name inside an op body, a graph name for a launch); slot: the step's slot name ("a"/"b"/""); key: identity of the task modulo
+    the slot period (tasks with equal keys are the same work in different steps of one slot, so
+    they share events); label: human-readable origin, e.g. "pass[a] linear.backward@h3 .dw".
+    """
+
+    id: int
+    kernel: str
+    stream: str
+    args: tuple[str, ...] = ()
+    outs: tuple[str, ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()
+    after: tuple[int, ...] = ()
+    unit: int = -1
+    op: int = -1
+    rep_stream: str = ""
+    step: int = 0
+    slot: str = ""
+    key: str = ""
+    label: str = ""
+    stmt: str = ""
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.args))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.outs))
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == name:
+                return v
+        return default
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A capture-unit instance: one launch of `graph` (for one slot) with home stream `home`.
+
+    Under capture = step the whole step is one unit; under capture = none units still group
+    tasks (their fork/join is then ordinary waits).
+    """
+
+    id: int
+    name: str
+    graph: str
+    home: str
+    slot: str = ""
+    step: int = 0
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The unrolled task list that dependency analysis and barrier insertion work on.
+
+    streams: declared streams in declaration order, then HOST; tasks: in issue order with
+    task.id == index; period: slots per cycle (1 or 2); steps: number of unrolled steps
+    (task.step in -1..steps-1); capture: none | graphs | step; policy: auto | chain | explicit.
+    """
+
+    streams: tuple[str, ...]
+    buffers: tuple[Buffer, ...]
+    tasks: tuple[Task, ...]
+    units: tuple[Unit, ...] = ()
+    period: int = 1
+    steps: int = 1
+    capture: str = "none"
+    policy: str = "auto"
+
+    def buffer_map(self) -> dict[str, Buffer]:
+        return {b.name: b for b in self.buffers}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A required ordering u -> v between tasks (u issued before v)."""
+
+    u: int
+    v: int
+    kind: str  # RAW | WAR | WAW | AFTER
+    buffer: str = ""
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction of the EventPlan, issued on `stream`.
+
+    op: "launch" (task), "record" (event), "wait" (event), "begin"/"end" (unit: capture-unit
+    boundaries, on the unit's home stream; a no-op for eager execution).  step: the unrolled step
+    the instruction belongs to (-1 for the prologue), so the runtime can issue one step at a time.
+    """
+
+    op: str
+    stream: str
+    task: int = -1
+    event: int = -1
+    unit: int = -1
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class EventPlan:
+    """Per-stream launch / record / wait lists, kept in one global issue order.
+
+    A wait binds to the latest record of its event issued before it (CUDA's
+    cudaStreamWaitEvent semantics); a wait on an event with no earlier record waits for nothing.
+    Events are numbered 0..num_events-1 and created before capture.
+    """
+
+    schedule: Schedule
+    instrs: tuple[Instr, ...]
+    num_events: int
+    policy: str = "auto"
+
+    def per_stream(self) -> dict[str, list[Instr]]:
+        out: dict[str, list[Instr]] = {s: [] for s in self.schedule.streams}
+        for ins in self.instrs:
+            out.setdefault(ins.stream, []).append(ins)
+        return out

@@ -1,0 +1,353 @@
+"""The training loop driven by the `train` block: data staged into the A/B slots by host tasks,
+the learning rate uploaded every step, the EventPlan issued one step at a time on a backend,
+evaluation each epoch, JSON-lines logs, atomic checkpoints, and a clear stop on divergence.
+
+Source: LANGUAGE.md (`train`, `step`), the seed's run_train_epoch_gpu step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from streamsched.diagnostics import Diagnostic, StreamschedError
+from streamsched.dsl.resolve import CallValue
+from streamsched.interp.barriers import plan_segment
+from streamsched.interp.checkpoint import check_meta, load_checkpoint, save_checkpoint
+from streamsched.interp.data import Batches, check_compatible, load_dataset
+from streamsched.interp.ir import Task
+from streamsched.interp.lr import make_schedule
+from streamsched.pipeline import Compiled
+from streamsched.stdlib.kernels import KERNELS
+
+
+@dataclass
+class TrainOptions:
+    """Command-line overrides of the `train` block (None keeps the file's value)."""
+
+    epochs: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    backend: str = "auto"
+    interleave: str = "fixed"
+    interleave_seed: int = 0
+    log: str | None = None
+    save: str | None = None
+    resume: str | None = None
+    max_steps: int | None = None
+    progress: bool = True
+    detect_races: bool = True
+    eval_every: int = 1
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: per-epoch records (the JSON-lines log), the final parameters (host
+    copies, name -> ndarray) and the backend used."""
+
+    history: list[dict] = field(default_factory=list)
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    backend: str = "cpu"
+    steps: int = 0
+    wall_s: float = 0.0
+    races: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.history[-1]["test_acc"] if self.history else float("nan")
+
+
+def _x(code: str, msg: str, span=None, help: str = "") -> StreamschedError:
+    return StreamschedError([Diagnostic(code, msg, span, help=help)])
+
+
+def init_params(program, seed: int) -> dict[str, np.ndarray]:
+    """Initial values of every buffer with an init (params, optimizer state, constants).
+
+    glorot: uniform(-l, l), l = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio, 2010);
+    he: normal(0, sqrt(2 / fan_in)); normal: N(0, 0.01); zeros; ones.  A 1-D or scalar param
+    named glorot/he is zero-initialized (biases).  Deterministic in `seed`.
+    """
+    bufs = {b.name: b for b in program.buffers}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, init in program.inits:
+        b = bufs[name]
+        dt = np.float32 if b.dtype == "f32" else np.float64 if b.dtype == "f64" else np.float16
+        if init == "ones":
+            v = np.ones(b.shape, dt)
+        elif init in ("glorot", "he", "uniform") and len(b.shape) >= 2:
+            fan_in, fan_out = b.shape[0], b.shape[-1]
+            if init == "he":
+                v = rng.normal(0.0, math.sqrt(2.0 / fan_in), b.shape)
+            else:
+                lim = math.sqrt(6.0 / (fan_in + fan_out))
+                v = rng.uniform(-lim, lim, b.shape)
+        elif init == "normal":
+            v = rng.normal(0.0, 0.01, b.shape)
+        else:
+            v = np.zeros(b.shape)
+        out[name] = v.astype(dt)
+    return out
+
+
+class CpuRunner:
+    """The CPU backend behind the loop's small interface: run / read / write."""
+
+    name = "cpu"
+
+    def __init__(self, compiled: Compiled, interleave: str, seed: int, detect_races: bool):
+        from streamsched.interp.cpu_backend import CpuExecutor
+        from streamsched.interp.memory import allocate_arrays
+
+        self.arrays = allocate_arrays(compiled.schedule.buffers)
+        self.ex = CpuExecutor(compiled.schedule, self.arrays, KERNELS, interleave=interleave, seed=seed,
+                              detect_races=detect_races)
+
+    def run(self, instrs, host_fn) -> None:
+        self.ex.run(instrs, host_fn)
+
+    def read(self, name: str) -> np.ndarray:
+        return np.array(self.arrays[name])
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        self.arrays[name][...] = value
+
+    def sync(self) -> None:
+        pass
+
+    @property
+    def races(self) -> list[Diagnostic]:
+        return list(self.ex.races)
+
+
+def make_runner(compiled: Compiled, opts: TrainOptions):
+    """`--backend auto` picks CUDA when CuPy and a device are present, else the CPU with a notice;
+    `--backend cuda` without a GPU is an X020 diagnostic."""
+    want = opts.backend
+    if want in ("auto", "cuda"):
+        try:
+            from streamsched.interp.cuda import cuda_available
+
+            ok, why = cuda_available()
+        except ImportError as exc:
+            ok, why = False, f"the CUDA backend cannot load: {exc}"
+        if ok:
+            from streamsched.interp.cuda.runner import CudaRunner
+
+            return CudaRunner(compiled)
+        if want == "cuda":
+            raise _x("X020", f"--backend cuda: no usable GPU ({why})",
+                     help="install streamsched[cuda12] or [cuda13] on a machine with an NVIDIA GPU, or use --backend cpu")
+        print(f"note: no GPU ({why}); running on the CPU backend", file=sys.stderr)
+    elif want != "cpu":
+        raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
+    return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
+
+
+def _call(v: Any, default_name: str) -> tuple[str, tuple, dict]:
+    if isinstance(v, CallValue):
+        return v.name, v.args, dict(v.kwargs)
+    if isinstance(v, str):
+        return v, (), {}
+    if isinstance(v, (int, float)):
+        return default_name, (v,), {}
+    return default_name, (), {}
+
+
+def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Mean loss and accuracy of the model's forward pass on (x, y), NumPy on the host, in
+    chunks of the model's batch (the last chunk padded, padding ignored)."""
+    m = program.model
+    bufs = {b.name: b for b in program.buffers}
+    batch = m.batch
+    arrs: dict[str, np.ndarray] = dict(params)
+    feat, lab = _input_names(program)
+    names = {n for t in m.forward for n in t.args + t.outs}
+    for n in names:
+        concrete = n.replace("{slot}", program.slots[0]) if program.slots else n
+        if concrete not in arrs:
+            b = bufs[concrete]
+            arrs[concrete] = np.zeros(b.shape, np.float32 if b.dtype.startswith("f") else np.int32)
+        arrs[n] = arrs[concrete]
+    xin = next(n for n in names if n.split("[")[0] == feat)
+    yin = next((n for n in names if n.split("[")[0] == lab), None)
+    correct = 0
+    total_loss = 0.0
+    n = len(x)
+    for s in range(0, n, batch):
+        xb = x[s:s + batch]
+        yb = y[s:s + batch]
+        k = len(xb)
+        arrs[xin][...] = 0
+        arrs[xin][:k] = xb
+        if yin is not None:
+            arrs[yin][...] = 0
+            arrs[yin][:k] = yb
+        for t in m.forward:
+            kern = KERNELS[t.kernel]
+            kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
+        logits = arrs[m.logits]
+        correct += int((logits[:k].argmax(axis=1) == yb).sum())
+        # the batch loss averages over padding rows too: recompute on the real rows
+        z = logits[:k].astype(np.float64)
+        z = z - z.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(z).sum(axis=1))
+        total_loss += float((lse - z[np.arange(k), yb]).sum())
+    return total_loss / n, correct / n
+
+
+def _input_names(program) -> tuple[str, str]:
+    m = program.model
+    lab = m.labels
+    feat = next((nm for nm, _, _ in m.inputs if nm != lab), m.inputs[0][0])
+    return feat, lab
+
+
+def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str = ".",
+          echo: Callable[[str], None] | None = None) -> TrainResult:
+    """Run the training loop of a compiled program; returns the history and final parameters.
+
+    Raises StreamschedError (X codes) for bad data, options, checkpoints and for a diverging
+    run (X010: the loss became NaN or infinite; the last good checkpoint is kept).
+    """
+    opts = opts or TrainOptions()
+    echo = echo or (lambda s: print(s, file=sys.stderr))
+    program = compiled.program
+    if program.model is None:
+        raise _x("X004", "the file has no model to train")
+    if compiled.plan is None or not compiled.ok:
+        raise StreamschedError(list(compiled.diagnostics) or [Diagnostic("X004", "the schedule does not check")])
+    m = program.model
+    tv = dict(program.train)
+    spans = dict(program.train_spans)
+    seed = opts.seed if opts.seed is not None else int(tv.get("seed", 0))
+    dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
+    ds = load_dataset(dname, dargs, dkw, base_dir=base_dir, span=spans.get("data"))
+    feat, lab = _input_names(program)
+    in_shape = next(s for n, s, _ in m.inputs if n == feat)
+    lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
+    classes = dict((b.name, b.shape) for b in program.buffers).get(m.logits, (0, 0))[-1]
+    check_compatible(ds, in_shape[1:], lab_dtype, classes, spans.get("data"))
+    batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"))
+    epochs = opts.epochs if opts.epochs is not None else int(tv.get("epochs", 10))
+    if epochs < 1:
+        raise _x("X004", f"epochs must be at least 1, got {epochs}", spans.get("epochs"))
+    spe = batches.steps_per_epoch
+    total = epochs * spe
+    if opts.lr is not None:
+        lr_sched = make_schedule("constant", (opts.lr,), {}, total)
+    else:
+        lname, largs, lkw = _call(tv.get("lr", 0.1), "constant")
+        lr_sched = make_schedule(lname, largs, lkw, total, spans.get("lr"))
+
+    runner = make_runner(compiled, opts)
+    state = {**init_params(program, seed)}
+    for name, v in state.items():
+        runner.write(name, v)
+    start_epoch = 0
+    result = TrainResult(backend=runner.name)
+    expected_meta = {"program": program.text_hash, "model": m.name, "seed": seed, "steps_per_epoch": spe}
+    if opts.resume:
+        arrays, meta = load_checkpoint(opts.resume)
+        check_meta(meta, expected_meta)
+        for name, v in arrays.items():
+            runner.write(name, v)
+        start_epoch = int(meta["epoch"]) + 1
+        result.history = list(meta.get("history", []))
+        echo(f"resumed from {opts.resume} after epoch {start_epoch}")
+    saved = [n for n, _ in program.inits]
+
+    # host work: batches into staging slots, scalars into pinned buffers
+    cur = {"k": -1}
+    order_cache: dict[int, np.ndarray] = {}
+
+    def batch_at(j: int) -> tuple[np.ndarray, np.ndarray]:
+        e, i = divmod(min(j, total - 1) if j >= total else j, spe)
+        if e not in order_cache:
+            order_cache.clear()
+            order_cache[e] = batches.order(e)
+        sel = order_cache[e][i * batches.batch:(i + 1) * batches.batch]
+        return batches.x[sel], batches.y[sel]
+
+    def host_fn(task: Task, arrays: dict) -> None:
+        if task.kernel == "stage":
+            xb, yb = batch_at(cur["k"] + task.attr("ahead", 0))
+            arrays[task.outs[0]][...] = xb if task.attr("field") == feat else yb
+        elif task.kernel == "set_scalar":
+            name = task.attr("name")
+            k = max(cur["k"], 0)
+            arrays[task.outs[0]][...] = lr_sched(k) if name == "lr" else float(k + 1)
+
+    plan = compiled.plan
+    steps_run = 0
+    t0 = time.perf_counter()
+    bar = None
+    if opts.progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=(epochs - start_epoch) * spe, unit="step", leave=False, file=sys.stderr,
+                       disable=None)
+        except ImportError:  # pragma: no cover
+            bar = None
+    first = start_epoch * spe
+    cur["k"] = first - 1
+    runner.run(plan_segment(plan, -1), host_fn)
+    log_f = open(opts.log, "a", encoding="utf-8") if opts.log else None
+    try:
+        for e in range(start_epoch, epochs):
+            losses = []
+            for i in range(spe):
+                k = e * spe + i
+                cur["k"] = k
+                runner.run(plan_segment(plan, k - first), host_fn)
+                loss = float(runner.read(m.loss))
+                losses.append(loss)
+                steps_run += 1
+                if not math.isfinite(loss):
+                    where = f" (last good checkpoint: {opts.save})" if opts.save and os.path.exists(opts.save) else ""
+                    raise _x("X010", f"the loss became {loss} at step {k} (epoch {e}); stopping{where}",
+                             spans.get("lr"), help="lower the learning rate, or check the data for NaN")
+                if bar is not None:
+                    bar.update(1)
+                    if i % 5 == 0:
+                        bar.set_postfix(epoch=e, loss=f"{loss:.4f}")
+                if opts.max_steps is not None and steps_run >= opts.max_steps:
+                    break
+            runner.sync()
+            params = {n: runner.read(n) for n in m.params}
+            rec = {"epoch": e, "step": (e + 1) * spe, "train_loss": float(np.mean(losses)),
+                   "lr": lr_sched(min((e + 1) * spe - 1, total - 1)), "time_s": round(time.perf_counter() - t0, 3)}
+            if (e + 1) % opts.eval_every == 0 or e == epochs - 1:
+                tl, acc = evaluate(program, params, ds.x_test, ds.y_test)
+                rec.update(test_loss=tl, test_acc=acc)
+            result.history.append(rec)
+            if log_f:
+                log_f.write(json.dumps(rec) + "\n")
+                log_f.flush()
+            if bar is not None and "test_acc" in rec:
+                bar.set_postfix(epoch=e, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
+            if opts.save:
+                arrays = {n: runner.read(n) for n in saved}
+                save_checkpoint(opts.save, arrays, {**expected_meta, "epoch": e, "history": result.history})
+            if opts.max_steps is not None and steps_run >= opts.max_steps:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_f:
+            log_f.close()
+    runner.sync()
+    result.params = {n: runner.read(n) for n in saved}
+    result.steps = steps_run
+    result.wall_s = time.perf_counter() - t0
+    result.races = runner.races
+    return result

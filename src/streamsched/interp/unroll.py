@@ -1,0 +1,143 @@
+"""Program to Schedule: the step unrolled over the slot period (a prologue, then at least two
+steps per slot) so loop-carried dependencies appear, every buffer placed by `plan_memory`, and
+tasks grouped into capture units by the capture mode.
+
+Source: ARCHITECTURE.md ("Steps are unrolled over the slot period (2 for A/B, at least 2) so
+loop-carried edges appear") and LANGUAGE.md ("the interpreter adds a prologue").
+"""
+
+from __future__ import annotations
+
+from streamsched.dsl.program import SLOT, Launch, Program
+from streamsched.interp.ir import HOST, Schedule, Task, Unit
+from streamsched.interp.memory import plan_memory
+
+
+def default_steps(program: Program) -> int:
+    """Unrolled steps: two full periods, so each slot's step has a full period of history."""
+    period = max(1, len(program.slots))
+    return 2 * period if period > 1 else 3
+
+
+def unroll(program: Program, steps: int | None = None, capture: str | None = None,
+           policy: str | None = None) -> Schedule:
+    """Expand the step `steps` times (default `default_steps`), after a prologue (step -1) that
+    issues the launches the step makes on its `next` slot, for the first slot.
+
+    Task keys identify the same work in different steps of one slot (events are shared by key).
+    Host `stage` tasks carry attrs `ahead` (1 when they fill the next step's slot) so the training
+    loop stages batch `step + ahead`.
+    """
+    capture = capture or program.capture
+    policy = policy or program.policy
+    steps = steps if steps is not None else default_steps(program)
+    slots = program.slots or ("",)
+    period = len(slots)
+    tasks: list[Task] = []
+    units: list[Unit] = []
+    op_ids: dict[tuple, int] = {}
+    # launch instances: (step, launch index) -> task ids
+    issued: dict[tuple[int, int], list[int]] = {}
+    step_units: dict[int, int] = {}
+
+    def slot_for(k: int, which: str) -> str:
+        if which == "slot":
+            return slots[k % period]
+        if which == "next":
+            return slots[(k + 1) % period]
+        return which
+
+    def unit_for(k: int, name: str, graph: str, home: str, slot: str, span) -> int:
+        if capture == "step":
+            if k not in step_units:
+                step_units[k] = len(units)
+                nm = "prologue" if k < 0 else f"step{k}[{slots[k % period]}]" if slots[0] else f"step{k}"
+                units.append(Unit(len(units), nm, "step" if k >= 0 else "prologue", home, slot, k, span))
+            return step_units[k]
+        units.append(Unit(len(units), name, graph, home, slot, k, span))
+        return len(units) - 1
+
+    def emit(k: int, li: int, launch: Launch, slot: str, ahead: int) -> None:
+        ids: list[int] = []
+        tag = "pro" if k < 0 else slots[k % period]
+        if launch.kind == "graph":
+            g = program.graph(launch.graph)
+            inst = f"{g.name}[{slot}]" if slot and g.slotted else g.name
+            unit = unit_for(k, inst, g.name, g.home, slot, launch.span)
+            base = len(tasks)
+            for ti, t in enumerate(g.templates):
+                key = (k, li, t.op)
+                if key not in op_ids:
+                    op_ids[key] = len(op_ids)
+                attrs = t.attrs
+                if t.kernel == "stage":
+                    attrs = attrs + (("ahead", ahead),)
+                tasks.append(Task(
+                    id=len(tasks), kernel=t.kernel, stream=t.stream,
+                    args=tuple(a.replace(SLOT, slot) for a in t.args),
+                    outs=tuple(o.replace(SLOT, slot) for o in t.outs),
+                    attrs=attrs, after=tuple(base + a for a in t.after),
+                    unit=-1 if t.stream == HOST else unit, op=op_ids[key], rep_stream=t.rep_stream,
+                    step=k, slot=slot, key=f"{tag}|{li}|{ti}", label=f"{t.label}" if not slot or not g.slotted
+                    else t.label.replace(f"{g.name}:", f"{inst}:", 1),
+                    stmt=t.stmt or g.name, span=t.span))
+                ids.append(len(tasks) - 1)
+        elif launch.kind == "upload":
+            hb = f"{launch.name}@host" + (f"[{slots[k % period]}]" if program.slots else "")
+            key = (k, li, "upload")
+            op_ids[key] = len(op_ids)
+            unit = unit_for(k, f"upload {launch.name}", "upload", launch.stream, "", launch.span) \
+                if capture == "step" else -1
+            tasks.append(Task(len(tasks), "set_scalar", HOST, (), (hb,), (("name", launch.name),), (), -1,
+                              op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"set {launch.name}",
+                              f"set.{launch.name}", launch.span))
+            tasks.append(Task(len(tasks), "h2d", launch.stream, (hb,), (launch.name,), (), (), unit,
+                              op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload {launch.name}",
+                              f"upload.{launch.name}", launch.span))
+            ids.extend([len(tasks) - 2, len(tasks) - 1])
+        elif launch.kind == "sync":
+            # The host waits for everything issued so far: ordered after each stream's last task.
+            last: dict[str, int] = {}
+            for t in tasks:
+                last[t.stream] = t.id
+            key = (k, li, "sync")
+            op_ids[key] = len(op_ids)
+            tasks.append(Task(len(tasks), "synchronize", HOST, (), (), (), tuple(sorted(last.values())), -1,
+                              op_ids[key], HOST, k, slot, f"{tag}|{li}|sync", "synchronize", "synchronize",
+                              launch.span))
+            ids.append(len(tasks) - 1)
+        # `after` between launches: every task of this launch follows the referenced launch's
+        # last task on each stream.
+        extra: list[int] = []
+        for ref in launch.after:
+            kk = k - 1 if ref.prev else k
+            cands = [j for j, l in enumerate(program.step) if l.kind == "graph" and l.graph == ref.graph
+                     and (ref.prev or j < li)]
+            if not cands:
+                continue
+            src = issued.get((kk, cands[-1]))
+            if src is None and kk == -1:
+                src = issued.get((-1, cands[-1]))
+            if not src:
+                continue
+            sinks: dict[str, int] = {}
+            for tid in src:
+                sinks[tasks[tid].stream] = tid
+            extra.extend(sinks.values())
+        if extra:
+            for tid in ids:
+                t = tasks[tid]
+                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(extra)))})
+        issued[(k, li)] = ids
+
+    # Prologue: the launches made on `next`, for step 0's slot.
+    for li, l in enumerate(program.step):
+        if l.kind == "graph" and l.slot == "next":
+            emit(-1, li, l, slots[0], 1)
+    for k in range(steps):
+        for li, l in enumerate(program.step):
+            slot = slot_for(k, l.slot) if l.kind == "graph" and l.slot else (slots[k % period] if l.kind != "graph" else "")
+            ahead = 1 if l.kind == "graph" and l.slot == "next" else 0
+            emit(k, li, l, slot, ahead)
+    streams = tuple(n for n, _ in program.streams) + (HOST,)
+    return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy)

@@ -1,0 +1,78 @@
+"""The pass order in one screen (ARCHITECTURE.md, "Pipeline"):
+
+    text --parse--> AST --resolve--> Program --unroll (plan_memory)--> Schedule
+         --dependencies--> Edges --validate--> Diagnostics --insert_barriers--> EventPlan
+         --validate_plan--> Diagnostics
+
+Every pass is a plain function; `compile_file` runs them all and returns what each produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamsched.diagnostics import Diagnostic, SourceCache, StreamschedError
+from streamsched.dsl.program import Program
+from streamsched.dsl.resolve import resolve
+from streamsched.interp.barriers import insert_barriers
+from streamsched.interp.dependencies import dependencies
+from streamsched.interp.ir import Edge, EventPlan, Schedule
+from streamsched.interp.unroll import unroll
+from streamsched.interp.validate import validate_plan, validate_schedule
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """Everything the passes produced for one file; `diagnostics` holds R and C findings (the P
+    and S families stop `compile_file` earlier, by StreamschedError)."""
+
+    program: Program
+    schedule: Schedule
+    edges: tuple[Edge, ...]
+    plan: EventPlan | None
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.severity == "error" for d in self.diagnostics)
+
+
+def compile_file(path: str, text: str | None = None, *, policy: str | None = None, capture: str | None = None,
+                 steps: int | None = None, sources: SourceCache | None = None) -> Compiled:
+    """Parse, resolve, unroll, analyse and plan `path`.
+
+    policy / capture override the file (command line wins over the `train` block, which wins
+    over a top-level `barriers` line).  Raises StreamschedError for P/S/C diagnostics found while
+    resolving; returns R/C findings of the analysis in `Compiled.diagnostics`.
+    """
+    program = resolve(path, text, policy=policy, capture=capture, sources=sources)
+    schedule = unroll(program, steps=steps)
+    edges = dependencies(schedule)
+    diags = list(validate_schedule(schedule, edges))
+    plan = None
+    if not any(d.code == "R002" for d in diags):
+        plan = insert_barriers(schedule, edges, schedule.policy)
+        diags.extend(validate_plan(plan, edges))
+    return Compiled(program, schedule, tuple(edges), plan, tuple(_dedupe(diags)))
+
+
+def _dedupe(diags) -> list[Diagnostic]:
+    """The unrolled steps repeat each finding once per step: keep one per source position."""
+    seen = set()
+    out = []
+    for d in diags:
+        key = (d.code, d.span, tuple(l.span for l in d.labels))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(d)
+    return out
+
+
+def check_file(path: str, *, policy: str | None = None, capture: str | None = None,
+               sources: SourceCache | None = None) -> tuple[Diagnostic, ...]:
+    """All diagnostics for `path` (empty when it checks clean)."""
+    try:
+        return compile_file(path, policy=policy, capture=capture, sources=sources).diagnostics
+    except StreamschedError as e:
+        return e.diagnostics
