@@ -75,6 +75,10 @@ class SourceCache:
 
     def line(self, file: str, line: int) -> str | None:
         text = self.texts.get(file)
+        if text is None and file == "<stdlib>/ops.sched":
+            from streamsched.dsl.load import stdlib_text
+
+            text = self.texts[file] = stdlib_text()
         if text is None:
             try:
                 with open(file, encoding="utf-8") as f:

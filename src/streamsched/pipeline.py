@@ -17,6 +17,7 @@ from streamsched.dsl.resolve import resolve
 from streamsched.interp.barriers import insert_barriers
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import Edge, EventPlan, Schedule
+from streamsched.interp.opcheck import check_op_bodies
 from streamsched.interp.unroll import unroll
 from streamsched.interp.validate import validate_plan, validate_schedule
 
@@ -48,7 +49,10 @@ def compile_file(path: str, text: str | None = None, *, policy: str | None = Non
     program = resolve(path, text, policy=policy, capture=capture, sources=sources)
     schedule = unroll(program, steps=steps)
     edges = dependencies(schedule)
-    diags = list(validate_schedule(schedule, edges))
+    declared = {n for n, _ in program.streams}
+    diags = check_op_bodies(list(program.user_ops), lambda nm: nm.id if nm is not None and nm.id in declared else None,
+                            schedule.policy)
+    diags += list(validate_schedule(schedule, edges))
     plan = None
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)

@@ -108,6 +108,7 @@ class Program:
     capture: str
     host_values: tuple[str, ...] = ()
     text_hash: str = ""
+    user_ops: tuple = field(default=(), compare=False, repr=False)
 
     def graph(self, name: str) -> GraphInfo:
         for g in self.graphs:

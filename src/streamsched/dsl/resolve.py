@@ -82,6 +82,7 @@ class Resolver:
         self.slots: tuple[str, ...] = ()
         self.model_info: ModelInfo | None = None
         self._tmp = 0
+        self._poisoned: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
     def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
@@ -153,7 +154,7 @@ class Resolver:
                     self.train = item
                 elif isinstance(item, A.Barriers):
                     self.barriers = item
-        if not self.streams:
+        if not self.streams and not any(isinstance(i, A.Streams) for f in self.files for i in f.items):
             first = self.files[-1].items[0].span if self.files and self.files[-1].items else None
             self.err("S001", "no streams are declared", first,
                      help="declare them first: `streams { comp1 : compute }`")
@@ -441,6 +442,8 @@ class Resolver:
             if stdlib and call_span is not None:
                 labels = [Label(span, f"in `{kname}` here")]
                 at = call_span
+            elif call_span is not None:
+                labels = [Label(call_span, "used here")]
             self.fail(exc.code, exc.message if exc.message.startswith(kname) else f"{kname}: {exc.message}", at, labels=labels)
         for o, (shp, dt) in zip(outs, out_types):
             if self.has(o):
@@ -476,6 +479,10 @@ class Resolver:
         for kw in m.params:
             env[kw.name.id] = self.const(kw.value, env)
         values: dict[str, str] = {}  # model value name -> buffer name
+        producers: dict[str, list[int]] = {}  # model value name -> templates of the call making it
+        poisoned: set[str] = set()
+        self._poisoned = poisoned
+        had_error = False
         inputs = []
         fwd: list[TaskTemplate] = []
         calls: list[_Call] = []
@@ -492,10 +499,27 @@ class Resolver:
                     values[st.name.id] = bname
                     inputs.append((st.name.id, shape, dtype))
                     continue
+                first = len(fwd)
                 calls.append(self.model_call(m, st, env, values, fwd, len(calls), params))
+                deps: list[int] = []
+                for r in st.clauses.after:
+                    if r.text not in values:
+                        self.fail("S007", f"`after {r.text}`: no value `{r.text}` in model `{m.name.id}`", r.span)
+                    deps.extend(producers.get(r.text, []))
+                for i in range(first, len(fwd)):
+                    fwd[i] = replace(fwd[i], after=tuple(sorted(set(fwd[i].after) | set(deps))))
+                for t in st.targets:
+                    producers[t.id] = list(range(first, len(fwd)))
             except _Abort:
+                had_error = True
+                # Values this statement would have made are poisoned: later uses stay quiet
+                # instead of repeating the one mistake as "unknown value".
+                if isinstance(st, A.OpUse):
+                    for t in st.targets:
+                        values.pop(t.id, None)
+                        poisoned.add(t.id)
                 continue
-        if not calls:
+        if not calls or had_error:
             raise _Abort()
         last = calls[-1]
         loss = last.bind[last.outs[0]]
@@ -552,6 +576,8 @@ class Resolver:
                 self.fail("S005", f"op `{op.name}` needs its input `{p.name.id}`", st.call.span)
             if not isinstance(a, A.Var):
                 self.fail("S015", f"input `{p.name.id}` of `{op.name}` must name a value of the model", a.span)
+            if a.name.id in self._poisoned:
+                raise _Abort()
             if a.name.id not in values:
                 self.fail("S007", f"unknown value `{a.name.id}` in model `{m.name.id}`", a.name.span,
                           help=("values so far: " + ", ".join(values)) if values else "declare it with `input`")
@@ -718,10 +744,21 @@ class Resolver:
                                   help=f"models: {', '.join(self.models) or 'none'}")
                     src = fwd if isinstance(st, A.ForwardStmt) else bwd
                     base = len(out)
+                    derived = isinstance(st, A.BackwardStmt)
+                    last_writer: dict[str, int] = {}
+                    for i, t in enumerate(out):
+                        for o in t.outs:
+                            last_writer[o] = i
                     for t in src:
-                        out.append(replace(t, op=t.op + op_base + 1000 * (1 + isinstance(st, A.BackwardStmt)),
-                                           after=tuple(a + base for a in t.after),
+                        after = tuple(a + base for a in t.after)
+                        if derived:
+                            # The backward is derived, so nobody can write its `after` clauses: its
+                            # data flow (RAW) is ordered for the user under every policy.
+                            after = tuple(sorted(set(after) | {last_writer[a] for a in t.args if a in last_writer}))
+                        out.append(replace(t, op=t.op + op_base + 1000 * (1 + derived), after=after,
                                            label=f"{g.name.id}: {t.label}"))
+                        for o in t.outs:
+                            last_writer[o] = len(out) - 1
                 elif isinstance(st, A.ClearStmt):
                     for buf in self.graph_call_targets(st.call, model_name):
                         op = self.ops["clear"]
@@ -935,6 +972,7 @@ class Resolver:
     # ------------------------------------------------------------------ driver
     def run(self, path: str, policy: str | None, capture: str | None) -> Program:
         self.collect()
+        check_ops(self)
         train_vals, train_spans = self.train_items()
         tv = dict(train_vals)
         # The trained model: the train block's `model`, else the only one.
@@ -1085,10 +1123,10 @@ def resolve(path: str, text: str | None = None, *, policy: str | None = None, ca
     if diags:
         raise StreamschedError(diags)
     res = Resolver(files)
-    check_ops(res)
     try:
         prog = res.run(path, policy, capture)
     except StreamschedError:
         raise
     digest = hashlib.sha256("\n".join(sources.texts.get(f.path, "") for f in files).encode()).hexdigest()[:16]
-    return replace(prog, text_hash=digest)
+    user_ops = tuple(op for op in res.ops.values() if op.name not in res.stdlib_ops)
+    return replace(prog, text_hash=digest, user_ops=user_ops)

@@ -1,0 +1,96 @@
+"""Time the CUDA backend on one linear layer's backward (dW, dB, dX), MLP-sized (batch 128,
+1024 -> 1024, fp32): eager vs captured, three forked streams vs one stream.
+
+    python benchmarks/cuda_probe.py [--iters 500] [--json out.json]
+
+Prints microseconds per backward (wall time over many back-to-back runs, one sync at the end)
+and the host time spent issuing one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from streamsched.interp.ir import HOST, Buffer, EventPlan, Instr, Schedule, Task, Unit
+from streamsched.interp.memory import plan_memory
+
+I = Instr
+
+
+def linear_backward(n: int, k: int, m: int, forked: bool, capture: str):
+    bufs = plan_memory((
+        Buffer("x", (n, k), "f32"), Buffer("w", (k, m), "f32"), Buffer("dy", (n, m), "f32"),
+        Buffer("dw", (k, m), "f32"), Buffer("db", (m,), "f32"), Buffer("dx", (n, k), "f32"),
+    ))
+    s1, s2, s3 = ("comp1", "comp2", "comp3") if forked else ("comp3",) * 3
+    tasks = (
+        Task(0, "matmul", s1, ("x", "dy"), ("dw",), (("ta", True),), unit=0),
+        Task(1, "sum", s2, ("dy",), ("db",), (("axis", 0),), unit=0),
+        Task(2, "matmul", s3, ("dy", "w"), ("dx",), (("tb", True),), unit=0),
+    )
+    sched = Schedule(("comp1", "comp2", "comp3", HOST), bufs, tasks,
+                     (Unit(0, "bwd", "bwd", "comp3"),), capture=capture)
+    if forked:
+        body = (I("record", "comp3", event=0), I("wait", "comp1", event=0),
+                I("wait", "comp2", event=0),
+                I("launch", "comp1", task=0), I("launch", "comp2", task=1),
+                I("launch", "comp3", task=2),
+                I("record", "comp1", event=1), I("record", "comp2", event=2),
+                I("wait", "comp3", event=1), I("wait", "comp3", event=2))
+    else:
+        body = tuple(I("launch", "comp3", task=i) for i in range(3))
+    instrs = (I("begin", "comp3", unit=0),) + body + (I("end", "comp3", unit=0),)
+    return sched, EventPlan(sched, instrs, 3)
+
+
+def measure(n, k, m, forked, capture, iters):
+    from streamsched.interp.cuda import CudaExecutor
+
+    sched, plan = linear_backward(n, k, m, forked, capture)
+    ex = CudaExecutor(sched, plan, capture=capture)
+    rng = np.random.default_rng(0)
+    for nm in ("x", "w", "dy"):
+        b = ex._buf[nm]
+        ex.set(nm, rng.standard_normal(b.shape).astype(np.float32))
+    prog = ex.compile()
+    for _ in range(20):
+        ex.run(prog)
+    ex.synchronize()
+    t0 = time.perf_counter()
+    issue = 0.0
+    for _ in range(iters):
+        a = time.perf_counter()
+        ex.run(prog)
+        issue += time.perf_counter() - a
+    ex.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    ex.close()
+    return {"forked": forked, "capture": capture, "us_per_run": round(wall, 2),
+            "host_us_per_run": round(issue / iters * 1e6, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=500)
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--m", type=int, default=1024)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    rows = []
+    for capture in ("none", "graphs"):
+        for forked in (True, False):
+            r = measure(a.n, a.k, a.m, forked, capture, a.iters)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"n": a.n, "k": a.k, "m": a.m, "iters": a.iters, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

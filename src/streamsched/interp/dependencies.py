@@ -1,0 +1,222 @@
+"""Required edges of a schedule: `dependencies(schedule)` returns every RAW, WAR and WAW edge
+between tasks whose accesses overlap in bytes, plus the `after` edges, in near-linear time.
+
+Conflicts are decided on bytes, not names (ARCHITECTURE.md, "plan_memory"): each space's planned
+byte ranges are cut into elementary *segments* at every buffer boundary, so a buffer is a run of
+segments and two buffers conflict exactly when they share one.  Per segment we keep the last
+writer and the readers since it (the classic scoreboard), which yields a set of edges whose
+transitive closure orders every conflicting pair, without looking at all O(n^2) pairs.
+
+    access   = (segment, read_name, write_name)     names "" when the task does not read/write
+    Edge     = (u, v, kind, buffer)                 u.id < v.id, kind RAW | WAR | WAW | AFTER
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+
+from streamsched.diagnostics import InternalError
+from streamsched.interp.ir import Buffer, Edge, Schedule
+
+Access = tuple[int, str, str]
+"""(segment, name read, name written) of one task; a name is "" when that access is absent."""
+
+KIND_ORDER = {"RAW": 0, "WAR": 1, "WAW": 2, "AFTER": 3}
+
+
+def alias_roots(schedule: Schedule) -> dict[str, str]:
+    """Buffer name -> the name at the end of its `alias_of` chain (itself when it aliases
+    nothing).  A broken or cyclic chain stops at the last buffer it reached."""
+    bufs = schedule.buffer_map()
+    roots: dict[str, str] = {}
+    for b in schedule.buffers:
+        cur, seen = b, {b.name}
+        while cur.alias_of and cur.alias_of in bufs and cur.alias_of not in seen:
+            seen.add(cur.alias_of)
+            cur = bufs[cur.alias_of]
+        roots[b.name] = cur.name
+    return roots
+
+
+def _extent(b: Buffer, bufs: dict[str, Buffer]) -> tuple[str, int, int] | tuple[str, str] | None:
+    """Where `b` lives: (space, lo, hi) for a planned range, ("name", root) for a buffer whose
+    memory is not planned yet (it conflicts with itself and its aliases only), None for a planned
+    empty buffer (no bytes, no conflicts: Buffer.overlaps)."""
+    cur, seen = b, {b.name}
+    while True:
+        if cur.offset >= 0:
+            if cur.nbytes <= 0:
+                return None
+            return (cur.space, cur.offset, cur.offset + cur.nbytes)
+        # An `into` alias may be listed before plan_memory copied its root's range to it.
+        if cur.alias_of and cur.alias_of in bufs and cur.alias_of not in seen:
+            seen.add(cur.alias_of)
+            cur = bufs[cur.alias_of]
+            continue
+        return ("name", cur.name)
+
+
+def storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """Buffer name -> ids of the elementary storage segments it covers.
+
+    Two buffers share a segment iff `Buffer.overlaps` says they overlap (same space, intersecting
+    byte ranges); aliases made by `into` share their root's range.  Unplanned buffers (offset -1)
+    fall back to identity of their alias root.  Names a task uses that no Buffer declares get a
+    segment of their own, keyed by name (see `task_accesses`)."""
+    bufs = schedule.buffer_map()
+    extents = {b.name: _extent(b, bufs) for b in schedule.buffers}
+    bounds: dict[str, set[int]] = defaultdict(set)
+    for ext in extents.values():
+        if ext is not None and len(ext) == 3:
+            bounds[ext[0]].update((ext[1], ext[2]))
+    # Segment ids: spaces in sorted order, each space's cut points in ascending order.
+    base: dict[str, int] = {}
+    cuts: dict[str, list[int]] = {}
+    nxt = 0
+    for space in sorted(bounds):
+        cuts[space] = sorted(bounds[space])
+        base[space] = nxt
+        nxt += len(cuts[space]) - 1
+    named: dict[str, int] = {}
+    out: dict[str, tuple[int, ...]] = {}
+    for b in schedule.buffers:
+        ext = extents[b.name]
+        if ext is None:
+            out[b.name] = ()
+        elif len(ext) == 2:
+            if ext[1] not in named:
+                named[ext[1]] = nxt
+                nxt += 1
+            out[b.name] = (named[ext[1]],)
+        else:
+            space, lo, hi = ext
+            c = cuts[space]
+            i, j = bisect_left(c, lo), bisect_left(c, hi)
+            out[b.name] = tuple(range(base[space] + i, base[space] + j))
+    return out
+
+
+def task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
+    """Per task (indexed by task id): its accesses sorted by segment, one per segment, with the
+    first name it reads and the first name it writes there ("" for none)."""
+    segs = storage_segments(schedule)
+    extra: dict[str, tuple[int, ...]] = {}
+    nxt = 1 + max((s for t in segs.values() for s in t), default=-1)
+
+    def seg_of(name: str) -> tuple[int, ...]:
+        nonlocal nxt
+        if name in segs:
+            return segs[name]
+        if name not in extra:  # undeclared name: conflicts with itself only
+            extra[name] = (nxt,)
+            nxt += 1
+        return extra[name]
+
+    out = []
+    for t in schedule.tasks:
+        acc: dict[int, list[str]] = {}
+        for name in t.reads:
+            for s in seg_of(name):
+                slot = acc.setdefault(s, ["", ""])
+                slot[0] = slot[0] or name
+        for name in t.writes:
+            for s in seg_of(name):
+                slot = acc.setdefault(s, ["", ""])
+                slot[1] = slot[1] or name
+        out.append(tuple((s, r, w) for s, (r, w) in sorted(acc.items())))
+    return tuple(out)
+
+
+def report_name(earlier: str, later: str, roots: dict[str, str]) -> str:
+    """The buffer name to print for a conflict between two accesses: the shared name, else the
+    alias root both views belong to (`dx into x` conflicts are reported on `x`), else the name
+    the later task uses."""
+    if earlier == later:
+        return later
+    r1, r2 = roots.get(earlier, earlier), roots.get(later, later)
+    if r1 == r2:
+        return r1
+    return later
+
+
+def _check_ids(schedule: Schedule) -> None:
+    n = len(schedule.tasks)
+    for i, t in enumerate(schedule.tasks):
+        if t.id != i:
+            raise InternalError(f"dependencies: task at index {i} has id {t.id} (resolve must number tasks in issue order)")
+        for a in t.after:
+            if not 0 <= a < n:
+                raise InternalError(f"dependencies: task {t.id} is ordered after task {a}, which does not exist")
+
+
+def dependencies(schedule: Schedule) -> tuple[Edge, ...]:
+    """Required edges u -> v (u.id < v.id) of `schedule`, sorted by (v, u, kind, buffer).
+
+    RAW: v reads bytes whose last writer is u.  WAW: v writes bytes whose last writer is u.
+    WAR: v writes bytes u read since their last write.  AFTER: u in v.after with u < v (an
+    `after` naming a later task is a cycle: `validate_schedule` reports it, R002, and it yields no
+    edge here).  Same-stream edges are included; barrier insertion skips them as covered by stream
+    order.  The closure of these edges orders every pair of conflicting accesses (each later
+    writer of a segment follows the previous one by WAW), which is what barrier insertion needs.
+
+    Cost: O(sum of segments per access + edges).  Raises InternalError (never a user mistake) if
+    task ids are not 0..n-1 in issue order or an `after` names a task that does not exist.
+    """
+    _check_ids(schedule)
+    roots = alias_roots(schedule)
+    acc = task_accesses(schedule)
+    last_w: dict[int, tuple[int, str]] = {}
+    readers: dict[int, list[tuple[int, str]]] = {}
+    seen: dict[tuple[int, int, str, str], Edge] = {}
+
+    def add(u: int, v: int, kind: str, buf: str) -> None:
+        key = (u, v, kind, buf)
+        if key not in seen:
+            seen[key] = Edge(u, v, kind, buf)
+
+    for t in schedule.tasks:
+        v = t.id
+        for seg, rname, wname in acc[v]:
+            w = last_w.get(seg)
+            if rname and w is not None and w[0] != v:
+                add(w[0], v, "RAW", report_name(w[1], rname, roots))
+            if wname:
+                if w is not None and w[0] != v:
+                    add(w[0], v, "WAW", report_name(w[1], wname, roots))
+                for r, rn in readers.get(seg, ()):
+                    if r != v:
+                        add(r, v, "WAR", report_name(rn, wname, roots))
+                last_w[seg] = (v, wname)
+                readers[seg] = []
+            else:
+                lst = readers.setdefault(seg, [])
+                if not lst or lst[-1][0] != v:
+                    lst.append((v, rname))
+        for a in t.after:
+            if a < v:
+                add(a, v, "AFTER", "")
+    return tuple(sorted(seen.values(), key=lambda e: (e.v, e.u, KIND_ORDER[e.kind], e.buffer)))
+
+
+def conflicting_pairs(schedule: Schedule) -> tuple[tuple[int, int, str], ...]:
+    """Every pair (u, v, buffer), u < v, of tasks on different streams whose accesses overlap in
+    bytes with at least one write, sorted; buffer as `report_name` picks it.
+
+    Exact and simple, O(sum over segments of accesses^2): meant for small schedules and tests.
+    The race check in `validate_plan` does not use it (it enumerates only unordered pairs)."""
+    roots = alias_roots(schedule)
+    acc = task_accesses(schedule)
+    per_seg: dict[int, list[tuple[int, bool, str]]] = defaultdict(list)
+    for t in schedule.tasks:
+        for seg, rname, wname in acc[t.id]:
+            per_seg[seg].append((t.id, bool(wname), wname or rname))
+    tasks = schedule.tasks
+    out: dict[tuple[int, int], str] = {}
+    for seg in sorted(per_seg):
+        lst = per_seg[seg]
+        for i, (u, wu, nu) in enumerate(lst):
+            for v, wv, nv in lst[i + 1:]:
+                if (wu or wv) and tasks[u].stream != tasks[v].stream and (u, v) not in out:
+                    out[(u, v)] = report_name(nu, nv, roots)
+    return tuple((u, v, b) for (u, v), b in sorted(out.items()))

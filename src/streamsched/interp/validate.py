@@ -1,0 +1,411 @@
+"""Static checks that return diagnostics, never raise, for user mistakes: `validate_schedule`
+(dependency cycles R002, uncapturable work C003/C004) and `validate_plan` (races R001, waits on
+events never recorded or recorded only later R003, capture units whose streams do not rejoin
+their home R004).
+
+Happens-before (ARCHITECTURE.md, "Semantics to hold on to") is computed with vector clocks over
+*lanes*.  A lane is a stream, except inside a capture unit (capture = graphs | step), where each
+stream the unit uses is a lane of its own, (stream, unit): a captured graph's nodes depend only
+on what was captured (CUDA_PITFALLS.md #13, #14), not on earlier work of the same stream.
+
+    lane(instr)  = (stream, unit)  if capture != none and instr.unit >= 0  else (stream, -1)
+    launch t     : the lane's position advances; t is ordered after what the lane has seen
+    record e     : e takes the lane's clock          (the latest record of e wins:
+    wait e       : the lane joins e's clock           cudaStreamWaitEvent semantics)
+    begin U on h : lane (h, U) starts from lane (h, -1); other lanes of U start empty
+    end U on h   : lane (h, -1) advances once; the whole graph is done when it is (a graph
+                   launch completes as one operation on its stream)
+
+A race is a pair of accesses to overlapping bytes, at least one a write, on different lanes, with
+no happens-before path; only such pairs are ever enumerated (per segment and lane, the accesses
+not covered by the clock are a suffix), so a race-free plan is checked in near-linear time.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict, deque
+from dataclasses import dataclass, replace
+
+from streamsched.diagnostics import Diagnostic, InternalError, Label
+from streamsched.interp.dependencies import alias_roots, report_name, task_accesses
+from streamsched.interp.ir import Edge, EventPlan, Schedule, Task
+from streamsched.interp.races import race_diagnostic
+
+Lane = tuple[str, int]
+
+SYNC_KERNELS = {"synchronize"}
+"""Kernels that block the host on the device: never inside a captured graph (C003)."""
+ALLOC_KERNELS = {"alloc"}
+"""Kernels that allocate device memory: never inside a captured graph (C004)."""
+
+
+def lane_of(capture: str, stream: str, unit: int) -> Lane:
+    """The happens-before lane of an instruction or task (see the module docstring)."""
+    return (stream, unit) if capture != "none" and unit >= 0 else (stream, -1)
+
+
+def task_name(task: Task) -> str:
+    """How diagnostics name a task: its label, else its statement name, else its kernel."""
+    return task.label or task.stmt or task.kernel
+
+
+def _where(task: Task) -> str:
+    return f"{task.span.file}:{task.span.line}" if task.span is not None else f"task {task.id}"
+
+
+@dataclass(frozen=True)
+class Race:
+    """Tasks `first` < `second` (ids) on different lanes touch overlapping bytes of `buffer` (as
+    `report_name` picks it), at least one writes, and no happens-before path orders them."""
+
+    first: int
+    second: int
+    buffer: str
+    first_writes: bool
+    second_writes: bool
+
+
+@dataclass(frozen=True)
+class WaitProblem:
+    """A wait (instruction index `index`) that binds to no usable record: kind "never" (event
+    never recorded), "later" (recorded only after the wait, first at `record`), or "isolation"
+    (the latest record lies in another capture unit or outside, `record` its index)."""
+
+    index: int
+    kind: str
+    record: int = -1
+
+
+@dataclass(frozen=True)
+class Unjoined:
+    """Capture unit `unit` ends while lane (stream, unit) has work (last task `task`) that its
+    home lane has not waited for."""
+
+    unit: int
+    stream: str
+    task: int
+
+
+@dataclass(frozen=True)
+class PlanAnalysis:
+    """What one happens-before walk over a plan finds (all tuples sorted)."""
+
+    races: tuple[Race, ...]
+    waits: tuple[WaitProblem, ...]
+    unjoined: tuple[Unjoined, ...]
+
+
+def analyse_plan(plan: EventPlan, edges: tuple[Edge, ...] | list[Edge] = ()) -> PlanAnalysis:
+    """Walk `plan.instrs` once with vector clocks (module docstring) and return every race, every
+    wait that binds to no usable record and every unjoined capture unit.
+
+    Raises InternalError (a bug in insert_barriers, never a user mistake) when a task is not
+    launched exactly once, or an AFTER edge in `edges` is left unordered by the plan."""
+    sched = plan.schedule
+    tasks = sched.tasks
+    capture = sched.capture
+    acc = task_accesses(sched)
+    roots = alias_roots(sched)
+    after_preds: dict[int, list[int]] = defaultdict(list)
+    for e in edges:
+        if e.kind == "AFTER":
+            after_preds[e.v].append(e.u)
+
+    first_record: dict[int, int] = {}
+    for i, ins in enumerate(plan.instrs):
+        if ins.op == "record":
+            first_record.setdefault(ins.event, i)
+
+    clock: dict[Lane, dict[Lane, int]] = {}
+    pos: dict[Lane, int] = defaultdict(int)
+    records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
+    loc: dict[int, tuple[Lane, int]] = {}  # task -> the (lane, position) that covers it now
+    # Accesses per segment and lane: (positions, entries), all accesses and writes only.
+    seg_all: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
+    seg_w: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
+    unit_touched: dict[int, set[tuple[int, Lane]]] = defaultdict(set)
+    unit_last: dict[int, dict[Lane, tuple[int, int]]] = defaultdict(dict)
+    unit_tasks: dict[int, list[int]] = defaultdict(list)
+    races: dict[tuple[int, int], Race] = {}
+    waits: list[WaitProblem] = []
+    unjoined: list[Unjoined] = []
+
+    for i, ins in enumerate(plan.instrs):
+        if ins.op == "launch":
+            v = ins.task
+            if not 0 <= v < len(tasks) or v in loc:
+                raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
+            lane = lane_of(capture, ins.stream, ins.unit)
+            c = clock.setdefault(lane, {})
+            pos[lane] += 1
+            p = c[lane] = pos[lane]
+            for u in after_preds.get(v, ()):
+                if u not in loc:
+                    raise InternalError(f"insert_barriers: task {u} is launched after task {v}, which must follow it")
+                lu, pu = loc[u]
+                if lu != lane and c.get(lu, 0) < pu:
+                    raise InternalError(f"insert_barriers: the after-edge {u} -> {v} is not ordered by the plan")
+            loc[v] = (lane, p)
+            for seg, rname, wname in acc[v]:
+                vw = bool(wname)
+                vname = wname or rname
+                table = seg_all[seg] if vw else seg_w[seg]
+                for other, (ps, es) in table.items():
+                    if other == lane:
+                        continue  # program order
+                    for u, uw, uname in es[bisect_right(ps, c.get(other, 0)):]:
+                        if (u, v) not in races:
+                            races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                entry = (v, vw, vname)
+                ps, es = seg_all[seg].setdefault(lane, ([], []))
+                ps.append(p)
+                es.append(entry)
+                if vw:
+                    ps, es = seg_w[seg].setdefault(lane, ([], []))
+                    ps.append(p)
+                    es.append(entry)
+                if lane[1] >= 0:
+                    unit_touched[lane[1]].add((seg, lane))
+            if lane[1] >= 0:
+                unit_last[lane[1]][lane] = (p, v)
+                unit_tasks[lane[1]].append(v)
+        elif ins.op == "record":
+            lane = lane_of(capture, ins.stream, ins.unit)
+            records[ins.event] = (i, lane[1], dict(clock.get(lane, {})))
+        elif ins.op == "wait":
+            lane = lane_of(capture, ins.stream, ins.unit)
+            bound = records.get(ins.event)
+            if bound is None:
+                later = first_record.get(ins.event)
+                waits.append(WaitProblem(i, "never" if later is None else "later", -1 if later is None else later))
+                continue
+            if capture != "none" and bound[1] != lane[1]:
+                # CUDA refuses a capture-time wait on an event from outside the capture
+                # (cudaErrorStreamCaptureIsolation): it orders nothing.
+                waits.append(WaitProblem(i, "isolation", bound[0]))
+                continue
+            c = clock.setdefault(lane, {})
+            for k, val in bound[2].items():
+                if val > c.get(k, 0):
+                    c[k] = val
+        elif ins.op == "begin" and capture != "none":
+            clock[(ins.stream, ins.unit)] = dict(clock.get((ins.stream, -1), {}))
+        elif ins.op == "end" and capture != "none":
+            u_id, home = ins.unit, (ins.stream, ins.unit)
+            hc = clock.get(home, {})
+            for lane, (p, t) in sorted(unit_last.get(u_id, {}).items()):
+                if lane != home and hc.get(lane, 0) < p:
+                    unjoined.append(Unjoined(u_id, lane[0], t))
+            eager = (ins.stream, -1)
+            pos[eager] += 1
+            e_pos = clock.setdefault(eager, {})[eager] = pos[eager]
+            # After `end`, the unit's work is known outside only as a whole, through the end.
+            for seg, lane in sorted(unit_touched.pop(u_id, ())):
+                for table in (seg_all[seg], seg_w[seg]):
+                    moved = table.pop(lane, None)
+                    if moved:
+                        ps, es = table.setdefault(eager, ([], []))
+                        ps.extend([e_pos] * len(moved[1]))
+                        es.extend(moved[1])
+            for t in unit_tasks.pop(u_id, ()):
+                loc[t] = (eager, e_pos)
+            for lane in unit_last.pop(u_id, {}):
+                clock.pop(lane, None)
+            clock.pop(home, None)
+    missing = [t.id for t in tasks if t.id not in loc]
+    if missing:
+        raise InternalError(f"insert_barriers: tasks {missing[:5]} are never launched")
+    return PlanAnalysis(
+        tuple(sorted(races.values(), key=lambda r: (r.second, r.first))),
+        tuple(waits),
+        tuple(unjoined),
+    )
+
+
+def find_races(plan: EventPlan) -> tuple[Race, ...]:
+    """Every unordered conflicting pair of the plan, one Race per pair, sorted by (second,
+    first).  Exact: what `validate_plan` reports as R001 before merging repeats."""
+    return analyse_plan(plan).races
+
+
+def _access_view(task: Task, name: str, writes: bool) -> Task:
+    """`task` as seen from one access: race_diagnostic names the access kind by whether the
+    buffer is among the task's writes, so the view touches exactly `name`, read or written."""
+    return replace(task, args=() if writes else (name,), outs=(name,) if writes else ())
+
+
+def _race_diagnostics(sched: Schedule, races: tuple[Race, ...]) -> list[Diagnostic]:
+    tasks = sched.tasks
+    groups: dict[tuple, list[Race]] = {}
+    for r in races:
+        a, b = tasks[r.first], tasks[r.second]
+        if a.span is not None and b.span is not None:
+            # The same two source lines racing in every unrolled step, slot or op call are one
+            # mistake to fix: report it once.
+            key = (a.span, b.span, a.stream, b.stream, r.first_writes, r.second_writes)
+        else:
+            key = (r.first, r.second)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        r = rs[0]
+        a, b = tasks[r.first], tasks[r.second]
+        d = race_diagnostic(sched, _access_view(a, r.buffer, r.first_writes), _access_view(b, r.buffer, r.second_writes), r.buffer)
+        notes = list(d.notes)
+        for t, w in ((a, r.first_writes), (b, r.second_writes)):
+            used = t.writes if w else t.reads
+            if r.buffer not in used and used:
+                notes.append(f"`{task_name(t)}` {'writes' if w else 'reads'} `{used[0]}`, which shares bytes with `{r.buffer}`")
+        if len(rs) > 1:
+            notes.append(f"the same race occurs {len(rs) - 1} more time{'s' if len(rs) > 2 else ''} in the unrolled schedule (other steps, slots or op calls)")
+        out.append(replace(d, notes=tuple(notes)))
+    return out
+
+
+def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
+    """Drop repeats of a finding at the same source position (unrolled steps repeat work)."""
+    seen, out = set(), []
+    for d in diags:
+        key = (d.code, d.span, tuple(l.span for l in d.labels)) if d.span is not None else (d.code, d.message)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def validate_plan(plan: EventPlan, edges: tuple[Edge, ...] | list[Edge] = ()) -> tuple[Diagnostic, ...]:
+    """Diagnostics of an EventPlan: R003 for each wait that binds to no record issued before it
+    (never recorded, recorded only later, or recorded outside the wait's capture unit), R004
+    for each capture unit that ends with a secondary stream not joined to its home, and R001 for
+    each unordered conflicting pair (via `race_diagnostic`; pairs repeated at the same source
+    lines in other steps are merged into one with a note).
+
+    `edges` (from `dependencies`) lets the walk prove that every `after` edge is ordered; an
+    unordered one is a bug in insert_barriers and raises InternalError.  Follows
+    ARCHITECTURE.md "Semantics to hold on to" and CUDA's cudaStreamWaitEvent rule (a wait binds
+    to the latest record issued before it; none means it waits for nothing)."""
+    sched = plan.schedule
+    an = analyse_plan(plan, edges)
+    units = {u.id: u for u in sched.units}
+    diags: list[Diagnostic] = []
+    for w in an.waits:
+        ins = plan.instrs[w.index]
+        task = sched.tasks[ins.task] if 0 <= ins.task < len(sched.tasks) else None
+        unit = units.get(ins.unit)
+        span = task.span if task is not None else (unit.span if unit is not None else None)
+        who = f"`{task_name(task)}`" if task is not None else (f"unit `{unit.name}`" if unit else f"instruction {w.index}")
+        if w.kind == "never":
+            msg = f"wait on event e{ins.event} on {ins.stream} (before {who}) waits for nothing: the event is never recorded"
+        elif w.kind == "later":
+            msg = f"wait on event e{ins.event} on {ins.stream} (before {who}) waits for nothing: the event is recorded only later, at instruction {w.record}"
+        else:
+            msg = f"wait on event e{ins.event} on {ins.stream} (before {who}) crosses a capture boundary: the event is recorded outside the wait's graph"
+        diags.append(Diagnostic("R003", msg, span, help="a wait binds to the latest record issued before it; record the event earlier, in the same graph"))
+    for uj in an.unjoined:
+        unit = units.get(uj.unit)
+        last = sched.tasks[uj.task]
+        name = unit.name if unit is not None else f"U{uj.unit}"
+        home = unit.home if unit is not None else "its home stream"
+        labels = (Label(last.span, f"last work on {uj.stream} in `{name}`"),) if last.span is not None else ()
+        diags.append(
+            Diagnostic(
+                "R004",
+                f"capture unit `{name}` ends while {uj.stream} has not rejoined {home}",
+                unit.span if unit is not None and unit.span is not None else last.span,
+                help=f"{home} must wait on an event recorded after the last work on {uj.stream} before the graph ends",
+                labels=labels,
+            )
+        )
+    diags.extend(_race_diagnostics(sched, an.races))
+    return tuple(_dedupe(diags))
+
+
+def _cycle_path(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge], src: int, dst: int) -> list[tuple[int, int, str]] | None:
+    """Shortest chain of required edges or same-stream program order from task `src` to task
+    `dst` (src < dst), as (u, v, description) triples; None when there is none."""
+    succ: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for e in edges:
+        if src <= e.u < e.v <= dst:
+            desc = "after" if e.kind == "AFTER" else f"{e.kind} on `{e.buffer}`"
+            succ[e.u].append((e.v, desc))
+    last: dict[str, int] = {}
+    for t in schedule.tasks[src: dst + 1]:
+        if t.stream in last:
+            succ[last[t.stream]].append((t.id, f"stream order on {t.stream}"))
+        last[t.stream] = t.id
+    parent: dict[int, tuple[int, str]] = {}
+    queue = deque([src])
+    seen = {src}
+    while queue:
+        x = queue.popleft()
+        if x == dst:
+            path = []
+            while x != src:
+                p, desc = parent[x]
+                path.append((p, x, desc))
+                x = p
+            return path[::-1]
+        for y, desc in sorted(succ.get(x, ())):
+            if y not in seen:
+                seen.add(y)
+                parent[y] = (x, desc)
+                queue.append(y)
+    return None
+
+
+def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) -> tuple[Diagnostic, ...]:
+    """Diagnostics of a schedule before planning.
+
+    R002: an `after` naming a task issued at or after its own task; with the required edges and
+    program order it closes a cycle, printed edge by edge with source lines (a wait can only bind
+    to an earlier record, so issue order itself closes the cycle when nothing else does).
+    C003 / C004: a `synchronize` / an `alloc` task inside a capture unit when capture is graphs or
+    step (a CUDA graph can hold neither: CUDA_PITFALLS.md #4, #17).  `edges` are those of
+    `dependencies(schedule)`.  Never raises for user mistakes."""
+    tasks = schedule.tasks
+    units = {u.id: u for u in schedule.units}
+    diags: list[Diagnostic] = []
+    for t in tasks:
+        for a in t.after:
+            if not t.id <= a < len(tasks):
+                continue
+            target = tasks[a]
+            if a == t.id:
+                cycle = [(a, a, "after")]
+            else:
+                path = _cycle_path(schedule, edges, t.id, a)
+                if path is None:
+                    path = [(t.id, a, "issued first")]
+                cycle = path + [(a, t.id, "after")]
+            parts = [f"`{task_name(tasks[cycle[0][0]])}` ({_where(tasks[cycle[0][0]])})"]
+            labels = []
+            notes = []
+            for u, v, desc in cycle:
+                parts.append(f"-[{desc}]-> `{task_name(tasks[v])}` ({_where(tasks[v])})")
+                notes.append(f"`{task_name(tasks[u])}` ({_where(tasks[u])}) -> `{task_name(tasks[v])}` ({_where(tasks[v])}): {desc}")
+                if tasks[v].span is not None and v != t.id:
+                    labels.append(Label(tasks[v].span, f"must run after `{task_name(tasks[u])}` ({desc})"))
+            diags.append(
+                Diagnostic(
+                    "R002",
+                    "dependency cycle: " + " ".join(parts),
+                    t.span,
+                    help=f"`after {target.stmt or task_name(target)}` names work issued later; reorder the statements or drop the clause",
+                    labels=tuple(labels),
+                    notes=tuple(notes),
+                )
+            )
+    if schedule.capture != "none":
+        for t in tasks:
+            if t.unit < 0 or t.kernel not in SYNC_KERNELS | ALLOC_KERNELS:
+                continue
+            unit = units.get(t.unit)
+            gname = unit.graph or unit.name if unit is not None else f"U{t.unit}"
+            if t.kernel in SYNC_KERNELS:
+                diags.append(Diagnostic("C003", f"`{t.kernel}` inside captured graph `{gname}`: a CUDA graph cannot synchronize with the host", t.span,
+                                        help="move it out of the graph, or run with capture = none"))
+            else:
+                diags.append(Diagnostic("C004", f"`{t.kernel}` inside captured graph `{gname}`: a CUDA graph cannot allocate memory", t.span,
+                                        help="plan the buffer before capture (it then needs no allocation), or run with capture = none"))
+    return tuple(_dedupe(diags))
