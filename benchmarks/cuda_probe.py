@@ -47,11 +47,17 @@ def linear_backward(n: int, k: int, m: int, forked: bool, capture: str):
     return sched, EventPlan(sched, instrs, 3)
 
 
-def measure(n, k, m, forked, capture, iters):
-    from streamsched.interp.cuda import CudaExecutor
+def measure(n, k, m, forked, capture, iters, dot=""):
+    from streamsched.interp.cuda import CudaExecutor, captured_dot, graph_nodes_edges
 
     sched, plan = linear_backward(n, k, m, forked, capture)
     ex = CudaExecutor(sched, plan, capture=capture)
+    nodes = None
+    if capture != "none":
+        types, edges = graph_nodes_edges(ex.graph_of(0))
+        nodes = {"types": types, "edges": edges}
+        if dot and forked:
+            captured_dot(ex.graph_of(0), dot)
     rng = np.random.default_rng(0)
     for nm in ("x", "w", "dy"):
         b = ex._buf[nm]
@@ -70,7 +76,7 @@ def measure(n, k, m, forked, capture, iters):
     wall = (time.perf_counter() - t0) / iters * 1e6
     ex.close()
     return {"forked": forked, "capture": capture, "us_per_run": round(wall, 2),
-            "host_us_per_run": round(issue / iters * 1e6, 2)}
+            "host_us_per_run": round(issue / iters * 1e6, 2), "graph": nodes}
 
 
 def main() -> None:
@@ -80,11 +86,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--m", type=int, default=1024)
     ap.add_argument("--json", default="")
+    ap.add_argument("--dot", default="", help="write the forked captured graph's Graphviz here")
     a = ap.parse_args()
     rows = []
     for capture in ("none", "graphs"):
         for forked in (True, False):
-            r = measure(a.n, a.k, a.m, forked, capture, a.iters)
+            r = measure(a.n, a.k, a.m, forked, capture, a.iters, a.dot)
             rows.append(r)
             print(json.dumps(r), flush=True)
     if a.json:

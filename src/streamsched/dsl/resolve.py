@@ -467,8 +467,10 @@ class Resolver:
                     if b.size * DTYPE_BYTES[b.dtype] > root_b.size * DTYPE_BYTES[root_b.dtype]:
                         self.fail("S003", f"`into {into}`: `{o}` does not fit in the storage of `{into}`", span)
                     self.buffers[name] = replace(b, alias_of=root_b.name)
+        # A task of a stdlib op points at the user's line that called the op.
+        where = call_span if (stdlib and call_span is not None) else span
         out.append(TaskTemplate(kname, stream, tuple(args), tuple(outs), tuple(attrs), (), op_id, rep, stmt,
-                                f"{label}.{stmt}" if stmt else label, span))
+                                f"{label}.{stmt}" if stmt else label, where))
 
     def has(self, name: str) -> bool:
         return self.slotted(name)[0] in self.buffers

@@ -13,6 +13,12 @@ def _access(task: Task, buffer: str) -> str:
     return "reads"
 
 
+def _graph_of(task: Task) -> str:
+    """The graph a task was launched from (labels read `GRAPH[slot]: ...`), or ""."""
+    head, sep, _ = task.label.partition(":")
+    return head.split("[")[0].strip() if sep else ""
+
+
 def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) -> Diagnostic:
     """R001: `first` (issued earlier) and `second` touch overlapping bytes of `buffer`, at least
     one writes, they run on different streams and no happens-before path orders them.
@@ -27,6 +33,10 @@ def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) 
         f"is not ordered after `{first.label or first.kernel}` on {first.stream}"
     )
     help_ = f"add `after {first.stmt}` to the later statement" if first.stmt else "order the two tasks with an `after` clause"
+    g1, g2 = _graph_of(first), _graph_of(second)
+    if g1 and g2 and g1 != g2:
+        prev = "prev." if first.step < second.step else ""
+        help_ = f"order the launches in the step: `{g2} after {prev}{g1}`"
     return Diagnostic(
         "R001",
         msg,

@@ -139,5 +139,24 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             slot = slot_for(k, l.slot) if l.kind == "graph" and l.slot else (slots[k % period] if l.kind != "graph" else "")
             ahead = 1 if l.kind == "graph" and l.slot == "next" else 0
             emit(k, li, l, slot, ahead)
+    tasks = _host_first(tasks, capture)
     streams = tuple(n for n, _ in program.streams) + (HOST,)
     return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy)
+
+
+def _host_first(tasks: list[Task], capture: str) -> list[Task]:
+    """Issue each launch's host work (staging writes) before its device work, so a capture
+    unit's tasks stay contiguous: the host fills the pinned slot, then launches the graph.
+    Under capture = step the group is the whole step; otherwise one launch (one unit)."""
+    def group(t: Task) -> tuple:
+        if capture == "step":
+            return (t.step,)
+        return (t.step, int(t.key.split("|")[1]))
+
+    order = sorted(range(len(tasks)), key=lambda i: (group(tasks[i]), tasks[i].stream != HOST, i))
+    new_id = {old: new for new, old in enumerate(order)}
+    out = []
+    for old in order:
+        t = tasks[old]
+        out.append(Task(**{**t.__dict__, "id": new_id[old], "after": tuple(sorted(new_id[a] for a in t.after))}))
+    return out

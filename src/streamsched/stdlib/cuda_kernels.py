@@ -122,7 +122,7 @@ __device__ __forceinline__ double ss_max(double a, double b) { return fmax(a, b)
 
 // max and log-sum-exp of one row, computed by the 32 lanes of a warp.
 __device__ __forceinline__ void ss_row_stats(const T_t* row, int c, int lane, A_t& mx, A_t& lse) {
-    A_t m = -INFINITY;
+    A_t m = -(A_t)SS_INF;
     for (int j = lane; j < c; j += 32) m = ss_max(m, (A_t)row[j]);
     for (int o = 16; o > 0; o >>= 1) m = ss_max(m, __shfl_xor_sync(0xffffffffu, m, o));
     A_t s = 0;
@@ -195,7 +195,7 @@ def _xent_module(dtype, ltype):
         except KeyError:
             raise NotImplementedError(f"softmax_xent: dtypes {dtype}/{ltype} not supported") from None
         head = "#include <cuda_fp16.h>\n" if t == "__half" else ""
-        head += "#define CUDART_NAN __int_as_float(0x7fffffff)\n"
+        head += "#define CUDART_NAN __int_as_float(0x7fffffff)\n#define SS_INF __int_as_float(0x7f800000)\n"
         src = head + f"typedef {t} T_t;\ntypedef {a} A_t;\ntypedef {lt} L_t;\n" + _XENT_SRC
         mod = cp.RawModule(code=src, options=("-std=c++17",))
         cache[key] = mod

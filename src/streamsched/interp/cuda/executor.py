@@ -187,7 +187,7 @@ class CudaExecutor:
         if self._buf[name].space == "device":
             st = self.ctx.streams[self.ctx.names[0]]
             with st:
-                arr.set(np.ascontiguousarray(val), stream=st)
+                arr.set(np.array(val, order="C"), stream=st)
             st.synchronize()
         else:
             arr[...] = val
