@@ -97,7 +97,7 @@ def cmd_graph(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from streamsched.interp.train import TrainOptions, train
+    from streamsched.interp.train import TaskFailedError, TrainOptions, train
 
     sources = SourceCache()
     try:
@@ -110,6 +110,12 @@ def cmd_run(args) -> int:
                             save=args.save, resume=args.resume, max_steps=args.steps,
                             progress=not args.quiet)
         res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
+    except TaskFailedError as e:
+        t = e.task
+        _print_diags([Diagnostic("X011", f"task `{t.label or t.kernel}` on {t.stream} failed: {e.cause}", t.span,
+                                 help="this is a run-time failure of a kernel; the line is where the work was written")],
+                     sources, "text")
+        return 1
     except StreamschedError as e:
         _print_diags(e.diagnostics, sources, "text")
         return 1

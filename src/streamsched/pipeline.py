@@ -65,7 +65,7 @@ def _dedupe(diags) -> list[Diagnostic]:
     seen = set()
     out = []
     for d in diags:
-        key = (d.code, d.span, tuple(l.span for l in d.labels))
+        key = (d.code, d.span, d.message, tuple(l.span for l in d.labels))
         if key in seen:
             continue
         seen.add(key)

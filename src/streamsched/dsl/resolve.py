@@ -884,6 +884,11 @@ class Resolver:
                 after = tuple(self.after_ref(r, graphs) for r in st.clauses.after)
                 if isinstance(st, A.UploadStmt):
                     stream = self.stream(st.stream, False) if st.stream else self.fold("trans")
+                    hb = f"{st.name.id}@host" + (f"[{SLOT}]" if self.slots else "")
+                    for n in self.slotted(hb):
+                        self.add_buffer(n, (), "f32", "staging", st.name.span, space="host")
+                    self.add_buffer(st.name.id, (), "f32", "scalar", st.name.span)
+                    self.uploads.add(st.name.id)
                     out.append(Launch("upload", name=st.name.id, stream=stream, after=after, span=st.span))
                 elif isinstance(st, A.SyncStmt):
                     out.append(Launch("sync", span=st.span))

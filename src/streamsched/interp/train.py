@@ -19,13 +19,22 @@ import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl.resolve import CallValue
-from streamsched.interp.barriers import plan_segment
+from streamsched.interp.barriers import plan_segment, plan_segment_for
 from streamsched.interp.checkpoint import check_meta, load_checkpoint, save_checkpoint
 from streamsched.interp.data import Batches, check_compatible, load_dataset
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import make_schedule
 from streamsched.pipeline import Compiled
 from streamsched.stdlib.kernels import KERNELS
+
+
+class TaskFailedError(Exception):
+    """A kernel failed at run time (any backend); `task` is the Task, `cause` the exception."""
+
+    def __init__(self, task: Task, cause: BaseException):
+        super().__init__(f"{task.label or task.kernel}: {cause}")
+        self.task = task
+        self.cause = cause
 
 
 @dataclass
@@ -112,7 +121,12 @@ class CpuRunner:
                               detect_races=detect_races)
 
     def run(self, instrs, host_fn) -> None:
-        self.ex.run(instrs, host_fn)
+        from streamsched.interp.cpu_backend import TaskFailed
+
+        try:
+            self.ex.run(instrs, host_fn)
+        except TaskFailed as e:
+            raise TaskFailedError(e.task, e.cause) from e
 
     def read(self, name: str) -> np.ndarray:
         return np.array(self.arrays[name])
@@ -235,7 +249,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     in_shape = next(s for n, s, _ in m.inputs if n == feat)
     lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
     classes = dict((b.name, b.shape) for b in program.buffers).get(m.logits, (0, 0))[-1]
-    check_compatible(ds, in_shape[1:], lab_dtype, classes, spans.get("data"))
+    check_compatible(ds, in_shape, lab_dtype, classes, spans.get("data"))
     batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"))
     epochs = opts.epochs if opts.epochs is not None else int(tv.get("epochs", 10))
     if epochs < 1:
@@ -308,7 +322,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
             for i in range(spe):
                 k = e * spe + i
                 cur["k"] = k
-                runner.run(plan_segment(plan, k - first), host_fn)
+                runner.run(plan_segment_for(plan, k - first), host_fn)
                 loss = float(runner.read(m.loss))
                 losses.append(loss)
                 steps_run += 1

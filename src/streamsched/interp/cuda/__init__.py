@@ -12,5 +12,31 @@ from streamsched.interp.cuda.device import (CudaError, DeviceContext, captured_d
                                             graph_nodes_edges)
 from streamsched.interp.cuda.executor import CapturedUnit, CudaExecutor, CudaTaskError, Program
 
-__all__ = ["CudaError", "DeviceContext", "CudaExecutor", "CudaTaskError", "CapturedUnit",
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(True, "") when CuPy, a CUDA device, nvmath-python's cuBLAS bindings and cuda-python's
+    runtime bindings are all usable here; else (False, why)."""
+    try:
+        import cupy
+    except Exception as exc:
+        return False, f"CuPy is not installed ({exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"no CUDA driver or device ({exc})"
+    if n < 1:
+        return False, "no CUDA device"
+    try:
+        import nvmath.bindings.cublas  # noqa: F401
+    except Exception as exc:
+        return False, f"nvmath-python is not installed ({exc})"
+    try:
+        import cuda.bindings.runtime  # noqa: F401
+    except Exception as exc:
+        return False, f"cuda-python (cuda.bindings) is not installed ({exc})"
+    return True, ""
+
+
+__all__ = ["cuda_available", "CudaError", "DeviceContext", "CudaExecutor", "CudaTaskError", "CapturedUnit",
            "Program", "check", "graph_nodes_edges", "captured_dot"]

@@ -134,7 +134,7 @@ class CudaExecutor:
         self._pool = cp.cuda.MemoryPool()  # temporaries of eager launches
         self.graphs: dict[tuple, CapturedUnit] = {}
         self.unit_graph: dict[int, CapturedUnit] = {}
-        self._programs: dict[int, Program] = {}
+        self._programs: dict[tuple | None, Program] = {}
         if self.capture != "none":
             self.capture_units()
 
@@ -288,12 +288,14 @@ class CudaExecutor:
         for the device (the plan's host waits, or `synchronize()`, do that)."""
         if isinstance(instrs, Program):
             prog = instrs
-        elif instrs is None:
-            prog = self._programs.get(-1)
-            if prog is None:
-                prog = self._programs[-1] = self.compile(None)
         else:
-            prog = self.compile(instrs)
+            # Compiled programs are cached by the identity of the Instr objects, so a training
+            # loop that passes plan_segment(plan, k) (fresh tuples of the plan's own Instrs)
+            # compiles each distinct segment once.
+            key = None if instrs is None else tuple(map(id, instrs))
+            prog = self._programs.get(key)
+            if prog is None:
+                prog = self._programs[key] = self.compile(instrs)
         cp = self.cp
         host_arrays = self.host_arrays
         with cp.cuda.using_allocator(self._pool.malloc):
