@@ -58,7 +58,9 @@ class AfterRef:
 @dataclass(frozen=True)
 class Launch:
     """One statement of the step: a graph launch (slot: "slot" | "next" | a slot name | ""),
-    an upload of a host value, or a synchronize."""
+    an upload of a host value, or a synchronize.  A launch bound to another graph's slot
+    (`pass(load[slot])`) is ordered after the latest launch of that graph on that slot, under
+    every policy: the binding says which buffers it reads."""
 
     kind: str  # graph | upload | sync
     graph: str = ""
@@ -66,6 +68,7 @@ class Launch:
     name: str = ""  # upload: host value name
     stream: str = ""  # upload: copy stream
     after: tuple[AfterRef, ...] = ()
+    binds: tuple[str, ...] = ()  # `pass(load[slot])`: ordered after that slot's latest `load`
     span: Span | None = field(default=None, compare=False, repr=False)
 
 

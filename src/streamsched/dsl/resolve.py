@@ -903,9 +903,14 @@ class Resolver:
         prev = False
         if len(parts) == 2 and parts[0] == "prev":
             prev, parts = True, parts[1:]
+        if len(parts) == 2 and parts[0] == "upload":
+            if parts[1] not in self.uploads_planned:
+                self.fail("S007", f"`after {r.text}`: the step does not upload `{parts[1]}`", r.span)
+            return AfterRef(f"upload.{parts[1]}", prev, r.span)
         if len(parts) != 1 or parts[0] not in graphs:
             self.fail("S008", f"unknown graph `{r.text}` in `after`", r.span,
-                      help=f"graphs: {', '.join(graphs)}; `prev.NAME` names the previous step's launch")
+                      help=f"graphs: {', '.join(graphs)}; `prev.NAME` names the previous step's launch; "
+                           "`upload.NAME` an upload")
         return AfterRef(parts[0], prev, r.span)
 
     def slot_of(self, idx: A.Name, slot_param: str) -> str:
@@ -943,7 +948,8 @@ class Resolver:
         if g.slotted and not slot:
             self.fail("S017", f"graph `{gname}` uses per-slot buffers; say which slot it runs on",
                       r.span, help=f"write `{gname}(load[{slot_param or 'slot'}])` or `{gname}[{slot_param or 'slot'}]`")
-        return Launch("graph", graph=gname, slot=slot, after=after, span=st.span)
+        binds = tuple(".".join(p.id for p in b.parts) for b in st.binds or ())
+        return Launch("graph", graph=gname, slot=slot, after=after, binds=binds, span=st.span)
 
     def train_items(self) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Span | None], ...]]:
         if self.train is None:

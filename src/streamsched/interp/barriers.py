@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from streamsched.diagnostics import InternalError
-from streamsched.interp.ir import Edge, EventPlan, Instr, Schedule, Task
+from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task
 
 Lane = tuple[str, int]
 
@@ -71,7 +71,11 @@ class _Planner:
         for e in edges:
             if e.u >= e.v:
                 raise InternalError(f"insert_barriers: edge {e.u} -> {e.v} does not follow issue order (validate_schedule reports cycles first)")
-            if policy == "auto" or e.kind == "AFTER":
+            # The interpreter orders the host's own accesses under every policy (LANGUAGE.md,
+            # "The host": it waits on the copy that last read a staging slot before rewriting
+            # it); the user has no statement to write an `after` on a staging write.
+            host = self.tasks[e.u].stream == HOST or self.tasks[e.v].stream == HOST
+            if policy == "auto" or e.kind == "AFTER" or host:
                 self.preds[e.v].append(e.u)
 
     # -- primitives -------------------------------------------------------------------------
@@ -132,9 +136,12 @@ class _Planner:
         return (role, u.graph, u.slot, u.home) if u is not None and u.graph else None
 
     def _op_runs(self, tasks: list[Task]) -> list[list[Task]]:
-        """Maximal runs of consecutive tasks of one op call (a task of no op is a run alone)."""
+        """Maximal runs of consecutive tasks of one op call (a task of no op is a run alone).
+        Host tasks take no part in the chain: the host's accesses are ordered by their edges."""
         runs: list[list[Task]] = []
         for t in tasks:
+            if t.stream == HOST:
+                continue
             if runs and t.op >= 0 and runs[-1][-1].op == t.op:
                 runs[-1].append(t)
             else:
@@ -184,7 +191,7 @@ class _Planner:
                 if v.stream != unit.home and v.stream not in entered[v.unit]:
                     entered[v.unit].add(v.stream)
                     aids.append(fork[v.unit])
-            if chain:
+            if v.id in run_of:
                 run = run_of[v.id]
                 rep = (self._rep(run), -1)
                 if v is run[0]:
@@ -198,7 +205,7 @@ class _Planner:
             aids.extend(self.task_anchor[u] for u in self.preds.get(v.id, ()))
             self._sync(lane, aids, v.id, v.step)
             self._launch(v, lane)
-            if chain and v is run_of[v.id][-1]:
+            if v.id in run_of and v is run_of[v.id][-1]:
                 prev_out = self.lane_last.get((self._rep(run_of[v.id]), -1))
             if unit is not None:
                 last_on[v.unit][v.stream] = self.task_anchor[v.id]
@@ -247,7 +254,7 @@ class _Planner:
                 items.append(("task", ts[0]))
         eager_runs: dict[int, list[Task]] = {}
         i = 0
-        while i < len(items):
+        while i < len(items) and chain:
             if items[i][0] == "task":
                 j = i
                 while j < len(items) and items[j][0] == "task":
@@ -265,7 +272,7 @@ class _Planner:
                 v: Task = item  # type: ignore[assignment]
                 lane = (v.stream, -1)
                 aids: list[int | None] = [self._coarse(u) for u in self.preds.get(v.id, ())]
-                if chain:
+                if v.id in eager_runs:
                     eager_run = eager_runs[v.id]
                     rep = (self._rep(eager_run), -1)
                     if v is eager_run[0]:
@@ -278,7 +285,7 @@ class _Planner:
                         aids.append(op_fork)
                 self._sync(lane, aids, v.id, v.step)
                 self._launch(v, lane)
-                if chain and v is eager_run[-1]:
+                if v.id in eager_runs and v is eager_run[-1]:
                     prev_out = self.lane_last.get(rep)
             else:
                 unit_id, ts = item  # type: ignore[misc]
@@ -319,7 +326,7 @@ class _Planner:
         for v in ts:
             lane = (v.stream, uid)
             aids: list[int | None] = enter(v.stream)
-            if chain:
+            if v.id in run_of:
                 run = run_of[v.id]
                 rep_s = self._rep(run)
                 rep = (rep_s, uid)
@@ -344,7 +351,7 @@ class _Planner:
             aids.extend(self.task_anchor[u] for u in self.preds.get(v.id, ()) if u in members)
             self._sync(lane, aids, v.id, v.step)
             self._launch(v, lane)
-            if chain and v is run_of[v.id][-1]:
+            if v.id in run_of and v is run_of[v.id][-1]:
                 prev_op = self.lane_last.get((self._rep(run_of[v.id]), uid))
         # Join: home waits for the last point of every secondary lane it does not yet cover.
         self._sync(hl, [self.lane_last.get(l) for l in lanes], -1, unit.step)

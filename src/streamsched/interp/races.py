@@ -36,7 +36,8 @@ def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) 
     g1, g2 = _graph_of(first), _graph_of(second)
     if g1 and g2 and g1 != g2:
         prev = "prev." if first.step < second.step else ""
-        help_ = f"order the launches in the step: `{g2} after {prev}{g1}`"
+        later = f"upload {g2[7:]} on {second.stream}" if g2.startswith("upload.") else g2
+        help_ = f"order the launches in the step: `{later} after {prev}{g1}`"
     return Diagnostic(
         "R001",
         msg,

@@ -318,8 +318,12 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     log_f = open(opts.log, "a", encoding="utf-8") if opts.log else None
     try:
         for e in range(start_epoch, epochs):
+            if opts.max_steps is not None and steps_run >= opts.max_steps and e > start_epoch:
+                break
             losses = []
             for i in range(spe):
+                if opts.max_steps is not None and steps_run >= opts.max_steps:
+                    break
                 k = e * spe + i
                 cur["k"] = k
                 runner.run(plan_segment_for(plan, k - first), host_fn)
@@ -334,11 +338,9 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                     bar.update(1)
                     if i % 5 == 0:
                         bar.set_postfix(epoch=e, loss=f"{loss:.4f}")
-                if opts.max_steps is not None and steps_run >= opts.max_steps:
-                    break
             runner.sync()
             params = {n: runner.read(n) for n in m.params}
-            rec = {"epoch": e, "step": (e + 1) * spe, "train_loss": float(np.mean(losses)),
+            rec = {"epoch": e, "step": e * spe + len(losses), "train_loss": float(np.mean(losses)) if losses else float("nan"),
                    "lr": lr_sched(min((e + 1) * spe - 1, total - 1)), "time_s": round(time.perf_counter() - t0, 3)}
             if (e + 1) % opts.eval_every == 0 or e == epochs - 1:
                 tl, acc = evaluate(program, params, ds.x_test, ds.y_test)

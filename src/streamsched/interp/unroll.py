@@ -39,6 +39,10 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     # launch instances: (step, launch index) -> task ids
     issued: dict[tuple[int, int], list[int]] = {}
     step_units: dict[int, int] = {}
+    instances: list[tuple[str, str, list[int]]] = []
+    host_space = {b.name for b in program.buffers if b.space == "host"}
+    last_host_write: dict[str, int] = {}
+    last_host_read: dict[str, int] = {}
 
     def slot_for(k: int, which: str) -> str:
         if which == "slot":
@@ -89,10 +93,10 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             unit = unit_for(k, f"upload {launch.name}", "upload", launch.stream, "", launch.span) \
                 if capture == "step" else -1
             tasks.append(Task(len(tasks), "set_scalar", HOST, (), (hb,), (("name", launch.name),), (), -1,
-                              op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"set {launch.name}",
+                              op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"upload.{launch.name}: set {launch.name}",
                               f"set.{launch.name}", launch.span))
             tasks.append(Task(len(tasks), "h2d", launch.stream, (hb,), (launch.name,), (), (), unit,
-                              op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload {launch.name}",
+                              op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload.{launch.name}: upload {launch.name}",
                               f"upload.{launch.name}", launch.span))
             ids.extend([len(tasks) - 2, len(tasks) - 1])
         elif launch.kind == "sync":
@@ -111,7 +115,9 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
         extra: list[int] = []
         for ref in launch.after:
             kk = k - 1 if ref.prev else k
-            cands = [j for j, l in enumerate(program.step) if l.kind == "graph" and l.graph == ref.graph
+            cands = [j for j, l in enumerate(program.step)
+                     if ((l.kind == "graph" and l.graph == ref.graph)
+                         or (l.kind == "upload" and f"upload.{l.name}" == ref.graph))
                      and (ref.prev or j < li)]
             if not cands:
                 continue
@@ -124,6 +130,38 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             for tid in src:
                 sinks[tasks[tid].stream] = tid
             extra.extend(sinks.values())
+        # A binding (`pass(load[slot])`) orders the launch after that slot's latest load.
+        if launch.kind == "graph":
+            for bg in launch.binds:
+                for g_name, g_slot, g_ids in reversed(instances):
+                    if g_name == bg and g_slot == slot:
+                        sinks = {}
+                        for tid in g_ids:
+                            if tasks[tid].stream != HOST:
+                                sinks[tasks[tid].stream] = tid
+                        extra.extend(sinks.values())
+                        break
+        # The interpreter's own host work: a staging buffer is copied after the host wrote it,
+        # and rewritten only after the copy that last read it (LANGUAGE.md, "The host").
+        for tid in ids:
+            t = tasks[tid]
+            own: set[int] = set()
+            for a in t.args:
+                if a in host_space and a in last_host_write:
+                    own.add(last_host_write[a])
+            for o in t.outs:
+                if o in host_space and o in last_host_read:
+                    own.add(last_host_read[o])
+            for a in t.args:
+                if a in host_space:
+                    last_host_read[a] = tid
+            for o in t.outs:
+                if o in host_space:
+                    last_host_write[o] = tid
+            if own:
+                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | own))})
+        if launch.kind == "graph":
+            instances.append((launch.graph, slot, ids))
         if extra:
             for tid in ids:
                 t = tasks[tid]
