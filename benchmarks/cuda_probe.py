@@ -79,6 +79,53 @@ def measure(n, k, m, forked, capture, iters, dot=""):
             "host_us_per_run": round(issue / iters * 1e6, 2), "graph": nodes}
 
 
+def measure_sched(path: str, capture: str, steps: int) -> dict:
+    """Per-step wall time of a compiled .sched file's training step (random data, constant lr),
+    steady state, with the plan's own host waits; plus what was captured."""
+    from streamsched.interp.barriers import plan_segment, plan_segment_for
+    from streamsched.interp.cuda import CudaExecutor, graph_nodes_edges
+    from streamsched.interp.train import init_params
+    from streamsched.pipeline import compile_file
+
+    c = compile_file(path, capture=capture)
+    plan, prog = c.plan, c.program
+    ex = CudaExecutor(c.schedule, plan, capture=capture)
+    for n, v in init_params(prog, 0).items():
+        ex.set(n, v)
+    classes = dict((b.name, b.shape) for b in prog.buffers)[prog.model.logits][-1]
+    rng = np.random.default_rng(0)
+
+    def host_fn(task, arrays):
+        out = arrays[task.outs[0]]
+        if task.kernel == "stage":
+            if np.issubdtype(out.dtype, np.integer):
+                out[...] = rng.integers(0, classes, out.shape)
+            else:
+                out[...] = rng.standard_normal(out.shape)
+        else:
+            out[...] = 0.01
+
+    ex.run(plan_segment(plan, -1), host_fn)
+    for k in range(20):
+        ex.run(plan_segment_for(plan, k), host_fn)
+    ex.synchronize()
+    t0 = time.perf_counter()
+    for k in range(20, 20 + steps):
+        ex.run(plan_segment_for(plan, k), host_fn)
+    ex.synchronize()
+    us = (time.perf_counter() - t0) / steps * 1e6
+    kinds: dict[str, int] = {}
+    for cu in ex.graphs.values():
+        for t in graph_nodes_edges(cu.graph)[0]:
+            kinds[t] = kinds.get(t, 0) + 1
+    loss = float(ex.get(prog.model.loss))
+    n_graphs, n_units = len(ex.graphs), len(ex.unit_graph)
+    ex.close()
+    return {"sched": path, "capture": capture, "us_per_step": round(us, 1), "graphs": n_graphs,
+            "units": n_units,
+            "graph_node_types": kinds, "loss": loss}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=500)
@@ -86,6 +133,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--m", type=int, default=1024)
     ap.add_argument("--json", default="")
+    ap.add_argument("--sched", default="", help="also time this .sched file's step, each capture mode")
     ap.add_argument("--dot", default="", help="write the forked captured graph's Graphviz here")
     a = ap.parse_args()
     rows = []
@@ -94,9 +142,16 @@ def main() -> None:
             r = measure(a.n, a.k, a.m, forked, capture, a.iters, a.dot)
             rows.append(r)
             print(json.dumps(r), flush=True)
+    sched_rows = []
+    if a.sched:
+        for capture in ("none", "graphs", "step"):
+            r = measure_sched(a.sched, capture, a.iters)
+            sched_rows.append(r)
+            print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"n": a.n, "k": a.k, "m": a.m, "iters": a.iters, "rows": rows}, f, indent=1)
+            json.dump({"n": a.n, "k": a.k, "m": a.m, "iters": a.iters, "rows": rows,
+                       "sched": sched_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

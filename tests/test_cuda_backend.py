@@ -407,7 +407,8 @@ def test_capture_failure_names_the_task(cp, bad):
 
 # -- a compiled .sched file: the CUDA backend against the CPU backend --------------------------
 
-_EXAMPLES = ["examples/mlp_digits.sched", "examples/inplace_backward.sched"]
+_EXAMPLES = ["examples/mlp_digits.sched", "examples/inplace_backward.sched",
+             "examples/five_streams.sched"]
 
 
 def run_cpu_and_cuda(schedule, plan, program, steps=4, capture="none", lr=0.05):
