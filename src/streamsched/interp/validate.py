@@ -264,13 +264,16 @@ def _race_diagnostics(sched: Schedule, races: tuple[Race, ...]) -> list[Diagnost
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
-    """Drop repeats of a finding at the same source position (unrolled steps repeat work)."""
+    """Drop repeats of a finding at the same source position (unrolled steps repeat work);
+    findings without a position are all kept."""
     seen, out = set(), []
     for d in diags:
-        key = (d.code, d.span, tuple(l.span for l in d.labels)) if d.span is not None else (d.code, d.message)
-        if key not in seen:
+        if d.span is not None:
+            key = (d.code, d.span, tuple(l.span for l in d.labels))
+            if key in seen:
+                continue
             seen.add(key)
-            out.append(d)
+        out.append(d)
     return out
 
 

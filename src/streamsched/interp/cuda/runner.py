@@ -1,0 +1,45 @@
+"""The CUDA backend behind the training loop's small interface (run / read / write / sync),
+the twin of `train.CpuRunner`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamsched.interp.cuda.executor import CudaExecutor, CudaTaskError
+
+
+class CudaRunner:
+    """Runs a compiled program's EventPlan on the GPU in its capture mode (none | graphs | step).
+
+    read(name) -> ndarray waits for every stream first; a kernel or capture failure becomes
+    `train.TaskFailedError` naming the task (and so its .sched line)."""
+
+    name = "cuda"
+
+    def __init__(self, compiled):
+        from streamsched.stdlib.kernels import KERNELS
+
+        self.ex = CudaExecutor(compiled.schedule, compiled.plan, KERNELS, capture=compiled.schedule.capture)
+        self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
+
+    def _wrap(self, fn, *args):
+        from streamsched.interp.train import TaskFailedError
+
+        try:
+            return fn(*args)
+        except CudaTaskError as e:
+            if e.task is None:
+                raise
+            raise TaskFailedError(e.task, e) from e
+
+    def run(self, instrs, host_fn) -> None:
+        self._wrap(self.ex.run, instrs, host_fn)
+
+    def read(self, name: str) -> np.ndarray:
+        return np.array(self._wrap(self.ex.get, name))
+
+    def write(self, name: str, value) -> None:
+        self.ex.set(name, value)
+
+    def sync(self) -> None:
+        self.ex.synchronize()
