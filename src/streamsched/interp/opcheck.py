@@ -42,7 +42,8 @@ def op_schedule(op: A.OpDef, stream_of, policy: str) -> Schedule | None:
         if not (p.default is not None and p.type is None and p.modifier is None):
             buf(p.name.id)
     tasks: list[Task] = []
-    index: dict[str, int] = {}
+    # statement names first, so an `after` may name a later statement (a cycle to report)
+    index: dict[str, int] = {t.id: i for i, st in enumerate(op.body) for t in st.targets}
     streams: list[str] = [rep]
     for st in op.body:
         stream = stream_of(st.clauses.on) if st.clauses.on is not None else rep
@@ -62,8 +63,6 @@ def op_schedule(op: A.OpDef, stream_of, policy: str) -> Schedule | None:
         after = tuple(index[r.text] for r in st.clauses.after if r.text in index)
         tasks.append(Task(len(tasks), "op", stream, args, tuple(outs), (), after, 0, 0, rep, 0, "", str(len(tasks)),
                           f"{op.name}.{st.targets[0].id}", st.targets[0].id, st.span))
-        for t in st.targets:
-            index[t.id] = len(tasks) - 1
     if len(streams) < 2:
         return None
     units = (Unit(0, op.name, op.name, rep, "", 0, op.span),)
