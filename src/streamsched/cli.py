@@ -132,6 +132,29 @@ def cmd_run(args) -> int:
     return 1 if res.races else 0
 
 
+def cmd_trace(args) -> int:
+    sources = SourceCache()
+    try:
+        c = _compile(args, sources, args.file)
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
+    if not c.ok:
+        _print_diags(c.diagnostics, sources, "text")
+        return 1
+    from streamsched.interp.cuda import cuda_available
+
+    ok, why = cuda_available()
+    if not ok:
+        print(f"error[X020]: `streamsched trace` times tasks on the GPU: {why}", file=sys.stderr)
+        return 1
+    from streamsched.interp.cuda.trace import trace
+
+    trace(c, args.output, png=args.png, steps=args.steps)
+    print(f"wrote {args.output}" + (f" and {args.png}" if args.png else ""), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -159,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture", **cap)
     g.add_argument("--captured", action="store_true", help="draw the CUDA graph as captured (needs a GPU)")
     g.set_defaults(fn=cmd_graph)
+
+    t = sub.add_parser("trace", help="time every task on the GPU: a Chrome/Perfetto trace, one track per stream")
+    t.add_argument("file")
+    t.add_argument("-o", "--output", required=True, help="trace.json")
+    t.add_argument("--png", help="also draw the timeline (matplotlib)")
+    t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--policy", **pol)
+    t.add_argument("--capture", **cap)
+    t.set_defaults(fn=cmd_trace)
 
     r = sub.add_parser("run", help="train: the main job")
     r.add_argument("file")

@@ -107,8 +107,13 @@ class Resolver:
             return [name.replace(SLOT, s) for s in self.slots]
         return [name]
 
-    def btype(self, name: str) -> tuple[tuple[int, ...], str]:
-        b = self.buffers[self.slotted(name)[0]]
+    def btype(self, name: str, span: Span | None = None) -> tuple[tuple[int, ...], str]:
+        b = self.buffers.get(self.slotted(name)[0])
+        if b is None:
+            # A value an earlier mistake failed to produce (that mistake was reported).
+            if not self.diags:
+                self.err("S007", f"`{name}` has no value here", span)
+            raise _Abort()
         return b.shape, b.dtype
 
     # ------------------------------------------------------------------ collection
@@ -1083,7 +1088,12 @@ def check_ops(res: Resolver) -> None:
             if op.stream:
                 res.stream(op.stream, False)
             names = {p.name.id for p in op.params} | {o.name.id for o in op.outs}
-            defined = set(names)
+            assigned = {t.id for st in op.body for t in st.targets}
+            for o in op.outs:
+                if o.name.id not in assigned and o.name.id not in {p.name.id for p in op.params}:
+                    res.err("S007", f"op `{op.name}` never assigns its output `{o.name.id}`", o.span,
+                            help=f"add a statement `{o.name.id} = ...` to its body")
+            defined = {p.name.id for p in op.params}
             for st in op.body:
                 if st.clauses.on is not None:
                     res.stream(st.clauses.on, False)
