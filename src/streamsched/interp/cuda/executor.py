@@ -78,6 +78,12 @@ class CapturedUnit:
     post_records: tuple[int, ...]
     tasks: tuple[int, ...]
     units: list[int] = field(default_factory=list)
+    task_nodes: dict[int, list[int]] = field(default_factory=dict)
+    """task id -> the graph node(s) its stream depended on right after the task was captured
+    (cudaStreamGetCaptureInfo): the node(s) the task ended with, as cudaGraphNode_t ints."""
+    node_task: dict[int, int] = field(default_factory=dict)
+    """every graph node (cudaGraphNode_t int) that capturing a task created -> that task's id
+    (a split-K GEMM creates two); empty when the CUDA bindings could not be queried."""
 
 
 @dataclass
@@ -98,12 +104,13 @@ class CudaExecutor:
     name -> CUDA twin callable; capture: "none" (eager), "graphs" or "step" (each Unit of the
     plan becomes one CUDA graph; units with identical instructions share one), default the
     schedule's.  sync_each: synchronize after every eager launch so an asynchronous fault is
-    reported against its task (slow; for debugging).
+    reported against its task (slow; for debugging).  map_nodes: while capturing, note which
+    graph nodes each task created (`CapturedUnit.task_nodes` / `.node_task`).
     """
 
     def __init__(self, schedule: Schedule, plan: EventPlan, kernels: Mapping[str, Any] | None = None,
                  capture: str | None = None, *, ctx: DeviceContext | None = None,
-                 sync_each: bool = False, tf32: bool = False):
+                 sync_each: bool = False, tf32: bool = False, map_nodes: bool = True):
         cp = cupy_module()
         self.cp = cp
         self.schedule = schedule
@@ -112,6 +119,7 @@ class CudaExecutor:
         if self.capture not in ("none", "graphs", "step"):
             raise ValueError(f"capture must be none, graphs or step, got {self.capture!r}")
         self.sync_each = sync_each
+        self.map_nodes = map_nodes
         if kernels is None:
             from streamsched.stdlib.kernels import KERNELS
 
@@ -447,6 +455,8 @@ class CudaExecutor:
                 raise CudaTaskError("nested unit", unit=unit, phase="capture")
         secondary = [s for s in dict.fromkeys(ins.stream for ins in issue) if s != home_name]
 
+        task_nodes: dict[int, list[int]] = {}
+        node_task: dict[int, int] = {}
         pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(pool.malloc):
             # Warm-up: every kernel once, eagerly, on scratch buffers, under the graph's pool.
@@ -473,11 +483,16 @@ class CudaExecutor:
                     self._fork.record(home)
                     for s in secondary:
                         ctx.streams[s].wait_event(self._fork)
+                    mapper = _NodeMapper(ctx) if self.map_nodes else None
                     for ins in issue:
                         if ins.op == "launch":
                             b = self._bound[ins.task]
                             current = b.task
+                            if mapper is not None:
+                                mapper.before()
                             b.fn(ctx, b.task.stream, b.ins, b.outs, b.attrs)
+                            if mapper is not None:
+                                mapper.after(b.task.id, b.task.stream, task_nodes, node_task)
                             current = None
                         elif ins.op == "record":
                             self.events[ins.event].record(ctx.streams[ins.stream])
@@ -507,7 +522,7 @@ class CudaExecutor:
                                     unit=unit, phase="capture")
         graph.upload(home)
         return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(recorded)),
-                            tuple(tasks))
+                            tuple(tasks), task_nodes=task_nodes, node_task=node_task)
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -520,3 +535,80 @@ class CudaExecutor:
         self.unit_graph.clear()
         self.graphs.clear()
         self.ctx.close()
+
+
+class _NodeMapper:
+    """Maps captured graph nodes to the task whose launch created them, during one capture.
+
+    before(): the set of nodes of the graph being captured (cudaGraphGetNodes on the capture's
+    graph, which the runtime allows while capturing); after(task): the nodes created since
+    (node_task) and the capturing stream's current dependencies (task_nodes: the node(s) the
+    task ended with, from cudaStreamGetCaptureInfo).  Any failure of the bindings turns the
+    mapper off for the rest of the capture: the mapping is for inspection, never for running.
+    """
+
+    def __init__(self, ctx: DeviceContext):
+        self.ctx = ctx
+        self.ok = True
+        self.graph = None
+        self.seen: set[int] = set()
+
+    def _info(self, stream_ptr: int):
+        """(graph, [dependency node ints]) of a capturing stream, across cuda-bindings 12/13:
+        13's cudaStreamGetCaptureInfo and 12's _v3/_v2 return the dependencies as a list."""
+        from streamsched.interp.cuda.device import cudart
+
+        rt = cudart()
+        for name in ("cudaStreamGetCaptureInfo", "cudaStreamGetCaptureInfo_v3",
+                     "cudaStreamGetCaptureInfo_v2"):
+            fn = getattr(rt, name, None)
+            if fn is None:
+                continue
+            r = fn(stream_ptr)
+            if not isinstance(r, tuple) or int(r[0]) != 0:
+                continue
+            lists = [x for x in r[1:] if isinstance(x, (list, tuple))]
+            if not lists:
+                continue  # the old signature (status, id): no dependencies
+            graph = next((x for x in r[1:] if type(x).__name__ == "cudaGraph_t"), None)
+            return graph, [int(d) for d in lists[0]]
+        raise RuntimeError("cudaStreamGetCaptureInfo gave no dependencies")
+
+    def _nodes(self) -> set[int]:
+        from streamsched.interp.cuda.device import check, cudart
+
+        rt = cudart()
+        r = check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
+        n = r[-1] if isinstance(r, tuple) else r
+        if not n:
+            return set()
+        r = check(rt.cudaGraphGetNodes(self.graph, n), "cudaGraphGetNodes")
+        return {int(x) for x in r[0]}
+
+    def before(self) -> None:
+        if not self.ok or self.graph is None:
+            return
+        try:
+            self.seen = self._nodes()
+        except Exception:
+            self.ok = False
+
+    def after(self, task_id: int, stream: str, task_nodes: dict, node_task: dict) -> None:
+        if not self.ok:
+            return
+        try:
+            graph, deps = self._info(self.ctx.stream_ptr(stream))
+            first = self.graph is None
+            if first:
+                self.graph = graph
+            task_nodes[task_id] = deps
+            if self.graph is not None:
+                now = self._nodes()
+                # no "before" snapshot for the first task: every node so far is its own (the
+                # unit's fork and the event waits create no nodes)
+                new = now if first else now - self.seen
+                for nd in new:
+                    node_task.setdefault(nd, task_id)
+                self.seen = now
+        except Exception:
+            self.ok = False
