@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from streamsched.diagnostics import Diagnostic, SourceCache, StreamschedError
 from streamsched.dsl.program import Program
 from streamsched.dsl.resolve import resolve
-from streamsched.interp.barriers import insert_barriers
+from streamsched.interp.barriers import Segments, insert_barriers, plan_segments
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import Edge, EventPlan, Schedule
 from streamsched.interp.opcheck import check_op_bodies
-from streamsched.interp.unroll import unroll
+from streamsched.interp.unroll import default_steps, unroll
 from streamsched.interp.validate import validate_plan, validate_schedule
 
 
@@ -32,6 +32,7 @@ class Compiled:
     edges: tuple[Edge, ...]
     plan: EventPlan | None
     diagnostics: tuple[Diagnostic, ...]
+    segments: Segments | None = None
 
     @property
     def ok(self) -> bool:
@@ -47,6 +48,19 @@ def compile_file(path: str, text: str | None = None, *, policy: str | None = Non
     resolving; returns R/C findings of the analysis in `Compiled.diagnostics`.
     """
     program = resolve(path, text, policy=policy, capture=capture, sources=sources)
+    if steps is not None:
+        return _plan(program, steps)
+    # Unroll until the plan has a steady state the loop can repeat (two periods usually do).
+    period = max(1, len(program.slots))
+    first = default_steps(program)
+    for n in (first, first + 2 * period, first + 4 * period):
+        c = _plan(program, n)
+        if not c.ok or c.plan is None or c.segments.period is not None:
+            return c
+    return c
+
+
+def _plan(program: Program, steps: int) -> "Compiled":
     schedule = unroll(program, steps=steps)
     edges = dependencies(schedule)
     declared = {n for n, _ in program.streams}
@@ -57,7 +71,8 @@ def compile_file(path: str, text: str | None = None, *, policy: str | None = Non
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)
         diags.extend(validate_plan(plan, edges))
-    return Compiled(program, schedule, tuple(edges), plan, tuple(_dedupe(diags)))
+    segments = plan_segments(plan) if plan is not None else None
+    return Compiled(program, schedule, tuple(edges), plan, tuple(_dedupe(diags)), segments)
 
 
 def _dedupe(diags) -> list[Diagnostic]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl.resolve import CallValue
-from streamsched.interp.barriers import plan_segment, plan_segment_for
+from streamsched.interp.barriers import plan_segments
 from streamsched.interp.checkpoint import check_meta, load_checkpoint, save_checkpoint
 from streamsched.interp.data import Batches, check_compatible, load_dataset
 from streamsched.interp.ir import Task
@@ -314,7 +314,8 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
             bar = None
     first = start_epoch * spe
     cur["k"] = first - 1
-    runner.run(plan_segment(plan, -1), host_fn)
+    segs = compiled.segments or plan_segments(plan)
+    runner.run(segs.for_step(-1), host_fn)
     log_f = open(opts.log, "a", encoding="utf-8") if opts.log else None
     try:
         for e in range(start_epoch, epochs):
@@ -326,7 +327,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                     break
                 k = e * spe + i
                 cur["k"] = k
-                runner.run(plan_segment_for(plan, k - first), host_fn)
+                runner.run(segs.for_step(k - first), host_fn)
                 loss = float(runner.read(m.loss))
                 losses.append(loss)
                 steps_run += 1
