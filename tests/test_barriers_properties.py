@@ -6,17 +6,24 @@ over several streams, random `after` edges to earlier tasks, op groups, 1-3 unro
 a period of 1 or 2 with keys shared by slot.  Happens-before is recomputed here by `hb_oracle`,
 written from ARCHITECTURE.md's definition, never by calling the code under test.
 
+Properties: auto orders every required edge, minimally, with no more waits than the pairwise
+rule or one wait per edge; chain and explicit races are exactly the unordered conflicting pairs;
+every plan is acyclic, binds every wait to an earlier record on another stream (inside the same
+capture unit), and is deterministic; the training loop's replay of the steady steps orders a
+longer unrolling of the same step.
+
 Run with CI=1 for the "ci" hypothesis profile (1,000 examples per test; tests/conftest.py).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from streamsched.interp.barriers import insert_barriers, plan_segment
+from streamsched.interp.barriers import insert_barriers, plan_segment, plan_segments
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import HOST, Buffer, EventPlan, Schedule, Task, Unit
 from streamsched.interp.validate import find_races, validate_plan
@@ -125,11 +132,11 @@ def pairwise_waits(s: Schedule, edges) -> int:
 # -- generated IR -------------------------------------------------------------------------------
 
 @st.composite
-def schedules(draw) -> Schedule:
+def templates(draw) -> dict:
+    """One step's work, to unroll: streams, buffers, blocks (a capture unit or one eager task)."""
     dev = DEV[: draw(st.integers(1, 5))]
     capture = draw(st.sampled_from(["none", "graphs", "step"]))
     period, steps = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    use_keys = draw(st.booleans())
     buffers: list[Buffer] = []
     for i in range(draw(st.integers(1, 6))):
         if buffers and draw(st.integers(0, 3)) == 0:
@@ -140,10 +147,7 @@ def schedules(draw) -> Schedule:
             buffers.append(Buffer(f"b{i}", (size,), "u8", draw(st.sampled_from(["device", "device", "host"])), "act", off, size))
     names = [b.name for b in buffers]
     subset = st.lists(st.sampled_from(names), max_size=2, unique=True)
-
-    # One step's template: blocks, each a capture unit (home, tasks) or one eager task.
     blocks: list[tuple[str | None, list[dict]]] = []
-    n_t = 0
     for _ in range(draw(st.integers(1, 4))):
         if draw(st.booleans()):
             home = draw(st.sampled_from(dev))
@@ -160,21 +164,31 @@ def schedules(draw) -> Schedule:
         host = [sp for sp in specs if sp["stream"] == HOST]
         devw = [sp for sp in specs if sp["stream"] != HOST]
         blocks = [(None, [sp]) for sp in host] + ([(dev[0], devw)] if devw else [])
+    n_t = 0
     for _, specs in blocks:
         for sp in specs:
             sp["reads"], sp["writes"] = draw(subset), draw(subset)
             sp["after"] = draw(st.lists(st.integers(0, n_t - 1), max_size=2, unique=True)) if n_t and draw(st.integers(0, 3)) == 0 else []
+            # `after prev.x`: the same or an earlier statement of the previous step
             sp["prev"] = draw(st.lists(st.integers(0, n_t), max_size=1)) if draw(st.integers(0, 5)) == 0 else []
             n_t += 1
+    return {"dev": dev, "capture": capture, "period": period, "steps": steps, "buffers": tuple(buffers),
+            "blocks": blocks, "size": n_t, "use_keys": draw(st.booleans()),
+            "policy": draw(st.sampled_from(["auto", "chain", "explicit"]))}
 
+
+def unroll(tp: dict, steps: int) -> Schedule:
+    """The template's step issued `steps` times; slots alternate a, b when the period is 2; keys
+    name a task by slot and position, so equal keys are the same work (ir.Task.key)."""
     tasks: list[Task] = []
     units: list[Unit] = []
     op_id = 0
+    n_t = tp["size"]
     for k in range(steps):
-        slot = "ab"[k % period]
+        slot = "ab"[k % tp["period"]]
         base = len(tasks)
         ti = 0
-        for bi, (home, specs) in enumerate(blocks):
+        for bi, (home, specs) in enumerate(tp["blocks"]):
             uid = -1
             if home is not None:
                 uid = len(units)
@@ -191,10 +205,14 @@ def schedules(draw) -> Schedule:
                 tasks.append(Task(len(tasks), "k", sp["stream"], tuple(sp["reads"]), tuple(sp["writes"]),
                                   after=tuple(sorted(set(after))), unit=uid if sp["stream"] != HOST else -1,
                                   op=ops[sp["op"]], rep_stream=rep, step=k, slot=slot,
-                                  key=f"{slot}|{ti}" if use_keys else "", label=f"t{ti}"))
+                                  key=f"{slot}|{ti}" if tp["use_keys"] else "", label=f"t{ti}"))
                 ti += 1
-    policy = draw(st.sampled_from(["auto", "chain", "explicit"]))
-    return Schedule(dev + (HOST,), tuple(buffers), tuple(tasks), tuple(units), period, steps, capture, policy)
+    return Schedule(tp["dev"] + (HOST,), tp["buffers"], tuple(tasks), tuple(units), tp["period"], steps,
+                    tp["capture"], tp["policy"])
+
+
+def schedules():
+    return templates().map(lambda tp: unroll(tp, tp["steps"]))
 
 
 def check_structure(plan: EventPlan) -> None:
@@ -288,3 +306,28 @@ def test_chain_and_explicit_races_are_exactly_the_unordered_pairs(s: Schedule, p
     diags = validate_plan(plan, edges)
     assert [d.code for d in diags] == ["R001"] * len(expected)  # no spans: nothing merged
     assert insert_barriers(s, edges, policy) == plan
+
+
+@given(templates())
+def test_steady_state_replay_orders_a_longer_run(tp: dict) -> None:
+    """What the training loop issues (Segments.for_step k, forever) orders every required edge of
+    the same step unrolled further, whenever the plan has a steady state."""
+    tp = {**tp, "use_keys": True}
+    unrolled = 4 * tp["period"]
+    s = unroll(tp, unrolled)
+    plan = insert_barriers(s, dependencies(s), "auto")
+    segs = plan_segments(plan)
+    assume(segs.period is not None)
+    n = unrolled + 3 * segs.period
+    long = unroll(tp, n)
+    task_at = {(t.step, t.key): t.id for t in long.tasks}
+    unit_at = {(u.step, u.name): u.id for u in long.units}
+    instrs = []
+    for k in range(n):
+        for ins in segs.for_step(k):
+            task = task_at[(k, s.tasks[ins.task].key)] if ins.task >= 0 else -1
+            unit = unit_at[(k, s.units[ins.unit].name)] if ins.unit >= 0 else -1
+            instrs.append(replace(ins, task=task, unit=unit, step=k))
+    before = hb_oracle(EventPlan(long, tuple(instrs), plan.num_events, "auto"))
+    assert sorted(before) == list(range(len(long.tasks)))
+    assert [(u, v) for u, v in sorted(required(long)) if not before[v] >> u & 1] == []

@@ -84,7 +84,13 @@ def cmd_graph(args) -> int:
         except ImportError as exc:
             print(f"error[X020]: --captured needs the CUDA backend: {exc}", file=sys.stderr)
             return 1
-        write_captured_dot(c, args.output)
+        try:
+            write_captured_dot(c, args.output)
+        except Exception as exc:  # a CUDA failure is a run-time diagnostic, not a traceback
+            task = getattr(exc, "task", None)
+            d = Diagnostic("X011", f"capture failed: {exc}", getattr(task, "span", None))
+            _print_diags([d], sources, "text")
+            return 1
     else:
         try:
             write_graph(c.plan, args.output)

@@ -858,7 +858,9 @@ class Resolver:
             if p.type is not None:
                 self.unify(p.type, self.btype(buf), {}, f"`{a.name.id}`", a.span, p.span)
             base[p.name.id] = buf
-        params = list(self.model_info.params) if (per_param and self.model_info) else [None]
+        # Per-parameter updates are issued in reverse layer order: the order in which the backward
+        # finishes their gradients, so one stream's queue never waits on the last gradient first.
+        params = list(reversed(self.model_info.params)) if (per_param and self.model_info) else [None]
         for pbuf in params:
             bind = dict(base)
             if pbuf is not None:

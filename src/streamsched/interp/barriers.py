@@ -11,19 +11,27 @@ Policies (LANGUAGE.md, "Barrier policies"):
               graphs fork from and join back to their home, graph launches are ordered as ops
     explicit  only the user's `after` clauses (plus the fork/join a capture unit needs)
 
-Lanes and happens-before are those of `validate.py`: under capture = graphs | step each capture
-unit is bracketed by begin/end on its home stream, forks to its secondary streams after `begin`
-and joins them before `end`; every wait inside a unit binds to a record inside it, and edges that
-cross units are coarsened to unit level (record after the producer's `end`, wait before the
-consumer's `begin`).  Records are placed right after the work they mark and only where a wait
-binds to them; events are shared by tasks with equal `Task.key` (periodic steps reuse events)
-when that cannot change what any wait binds to.
+Under every policy the host's own accesses are ordered from their edges (LANGUAGE.md, "The
+host"), and `after` clauses are honoured.
+
+Lanes and happens-before are those of `validate.py`.  Under capture = graphs | step a capture
+unit is bracketed by begin/end on its home stream; a secondary stream enters it by waiting on
+the fork (recorded on the home right after `begin`) before its first task, unless its first
+wait already binds to a record inside the unit, which implies the fork; before `end` the home
+joins every secondary stream it does not already cover.  Every wait inside a unit binds to a
+record inside it (CUDA_PITFALLS.md #13); edges that cross units are coarsened to unit level
+(record after the producer's `end`, wait before the consumer's `begin`).
+
+Records follow the work they mark and exist only where a wait binds to them, and, in the last
+unrolled steps, where the training loop's replay of those steps will bind (`assemble`).  Tasks
+with equal `Task.key` share one event; a wait on such an event waits on the latest work of that
+key already issued on the lane, which is where cudaStreamWaitEvent binds anyway.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from streamsched.diagnostics import InternalError
 from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task
@@ -51,7 +59,7 @@ class _Anchor:
 
 class _Planner:
     """One planning run; instructions are built with abstract events (anchor ids) and given
-    concrete event numbers at the end (`_assemble`)."""
+    concrete event numbers at the end (`assemble`)."""
 
     def __init__(self, schedule: Schedule, edges, policy: str):
         self.s = schedule
@@ -64,6 +72,7 @@ class _Planner:
         self.clock: dict[Lane, dict[Lane, int]] = {}
         self.pos: dict[Lane, int] = defaultdict(int)
         self.lane_last: dict[Lane, int] = {}
+        self.share_last: dict[tuple, int] = {}  # (share key, lane) -> latest anchor
         self.task_anchor: dict[int, int] = {}
         self.unit_end: dict[int, int] = {}
         self.waited: set[int] = set()
@@ -87,6 +96,8 @@ class _Planner:
         self.anchors.append(_Anchor(lane, self.pos[lane], dict(c), len(self.ins) - 1, share, step, task))
         aid = len(self.anchors) - 1
         self.lane_last[lane] = aid
+        if share is not None:
+            self.share_last[(share, lane)] = aid
         return aid
 
     def _launch(self, t: Task, lane: Lane) -> None:
@@ -113,6 +124,13 @@ class _Planner:
             A = self.anchors[a]
             if c.get(A.lane, 0) >= A.pos:
                 continue
+            if A.share is not None:
+                # A wait binds to the latest record of its event, and anchors with one share key
+                # share an event: wait on the latest such anchor of the lane issued so far.  It
+                # covers A (same lane, later), no record inserted later can move the binding,
+                # and the events stay periodic (one per key), which the steady state needs.
+                a = self.share_last[(A.share, A.lane)]
+                A = self.anchors[a]
             b = latest.get(A.lane)
             if b is None or self.anchors[b].pos < A.pos:
                 latest[A.lane] = a
@@ -132,6 +150,7 @@ class _Planner:
     # -- shared pieces ----------------------------------------------------------------------
 
     def _unit_share(self, unit: int, role: str) -> tuple | None:
+        """Event share key of a unit's fork or end: instances of one graph and slot share."""
         u = self.units.get(unit)
         return (role, u.graph, u.slot, u.home) if u is not None and u.graph else None
 
@@ -225,6 +244,8 @@ class _Planner:
         return self.task_anchor[u]
 
     def _blocks(self) -> list[tuple[int, list[Task]]]:
+        """Issue order cut into capture units (unit id, tasks) and single eager tasks (-1, [t]);
+        a unit must be contiguous, since a capture cannot be interrupted by other work."""
         blocks: list[tuple[int, list[Task]]] = []
         closed: set[int] = set()
         for t in self.tasks:
@@ -241,6 +262,8 @@ class _Planner:
         return blocks
 
     def plan_captured(self) -> None:
+        """capture = graphs | step: eager tasks plan task by task on their stream's lane; each
+        unit plans as one item at top level (`_plan_unit`)."""
         chain = self.policy == "chain"
         prev_out: int | None = None  # output anchor of the previous top-level item (chain)
         eager_run: list[Task] = []
@@ -293,6 +316,8 @@ class _Planner:
                 prev_out = self.unit_end[unit_id]
 
     def _plan_unit(self, uid: int, ts: list[Task], chain_prev: int | None) -> None:
+        """Waits before `begin` for the unit's outside predecessors (and, under chain, the
+        previous top-level item); then begin, fork, the tasks on their unit lanes, join, end."""
         unit = self.units[uid]
         chain = self.policy == "chain"
         home, hl = (unit.home, -1), (unit.home, uid)
@@ -363,19 +388,41 @@ class _Planner:
     # -- events ---------------------------------------------------------------------------------
 
     def assemble(self) -> tuple[tuple[Instr, ...], int]:
-        """Drop unused marks, put a record right after every anchor a wait binds to, and number
-        events: anchors with equal share keys take one event when their live ranges (record to
-        last wait) do not overlap, so no wait can bind to another anchor's record; events are
-        numbered in order of first record."""
-        needed = set(self.waited)
-        # Steady state: the runtime replays the last `period` steps (plan_segment_for).  A record
-        # that step j - period made for step j - period + 1 must exist in step j too, or the
-        # replayed wait would bind to a stale record.
+        """The final instructions and the number of events.
+
+        Steady state: the training loop replays the last m unrolled steps forever
+        (`plan_segments`).  A replayed wait binds to what the previous replay recorded, so the
+        last m steps must record what the m steps before them recorded for the steps after
+        them, though no unrolled step waits there.  m is the smallest multiple of the period for
+        which that closure makes the replay sound (`steady_period`); when none does, the closure
+        of one period is kept and `steady_period` says None."""
         steps, period = self.s.steps, max(1, self.s.period)
-        by_share_step = {(self.anchors[a].share, self.anchors[a].step) for a in needed if self.anchors[a].share is not None}
+        fallback = None
+        for m in range(period, min(steps, STEADY_PERIODS * period + 1), period):
+            built = self._build(self._closure(m))
+            if _replay_ok(EventPlan(self.s, built[0], built[1], self.policy), m):
+                return built
+            if fallback is None:
+                fallback = built
+        return fallback if fallback is not None else self._build(self._closure(period))
+
+    def _closure(self, m: int) -> set[int]:
+        """Anchors needing a record: those a wait binds to, plus, in the last m steps, those
+        whose same-key anchor m steps earlier has one."""
+        needed = set(self.waited)
+        earlier = {(self.anchors[a].share, self.anchors[a].step) for a in needed if self.anchors[a].share is not None}
+        last = self.s.steps - m
         for aid, A in enumerate(self.anchors):
-            if A.share is not None and A.step >= max(0, steps - period) and (A.share, A.step - period) in by_share_step:
+            if A.share is not None and A.step >= max(0, last) and (A.share, A.step - m) in earlier:
                 needed.add(aid)
+        return needed
+
+    def _build(self, needed: set[int]) -> tuple[tuple[Instr, ...], int]:
+        """Drop unused marks, put a record right after every needed anchor, and number events:
+        anchors with equal share keys take one event when their live ranges (record to last
+        wait) do not overlap, so no wait binds to another anchor's record (`_sync` already
+        waits on the latest anchor of a key, so this only splits what cannot share); events are
+        numbered in order of first record."""
         after: dict[int, int] = {self.anchors[a].idx: a for a in needed}
         raw: list[list] = []
         rec_pos: dict[int, int] = {}
@@ -423,8 +470,11 @@ class _Planner:
 def insert_barriers(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge], policy: str | None = None) -> EventPlan:
     """The EventPlan of `schedule` under `policy` (default `schedule.policy`).
 
-    edges: the required edges of `dependencies(schedule)` (all used by auto; only AFTER edges by
-    chain and explicit).  Returns a new frozen EventPlan; deterministic for equal inputs.
+    edges: the required edges of `dependencies(schedule)` (all used by auto; chain and explicit
+    use the AFTER edges and the edges touching the host).  Returns a new frozen EventPlan;
+    deterministic for equal inputs.  Instr.task of a wait is the task it precedes (-1 at unit
+    level), of a record the task it follows (-1 after a fork or an `end`); Instr.unit is the
+    capture unit an instruction lies in (-1 outside one, and everywhere under capture = none).
     Under auto every required edge u -> v is ordered (u happens before v) and removing any one
     task-level or unit-level wait breaks some required edge; the fork and join waits of capture
     units are there because CUDA capture needs them.  Whatever chain and explicit leave unordered
@@ -452,45 +502,138 @@ def plan_segment(plan: EventPlan, step: int) -> tuple[Instr, ...]:
     return tuple(i for i in plan.instrs if i.step == step)
 
 
-def steady_step(plan: EventPlan, k: int) -> int:
-    """The unrolled step whose instructions run as step k of the training loop: k itself while
-    k < schedule.steps, then the last `period` unrolled steps in turn, matched by k mod period
-    (the steady state).  Raises ValueError for k < -1 or when fewer than `period` steps are
-    unrolled."""
-    steps, period = plan.schedule.steps, max(1, plan.schedule.period)
-    if k < -1:
-        raise ValueError(f"step {k} does not exist (the prologue is -1)")
-    if k < steps:
-        return k
-    if steps < period:
-        raise ValueError(f"{steps} unrolled steps cannot repeat a period of {period}")
-    return steps - period + (k - steps) % period
+def _replayed(plan: EventPlan, m: int, copies: int) -> tuple[EventPlan, dict[int, tuple[int, int]]] | None:
+    """The plan followed by `copies` more issues of its last m steps, as the training loop
+    issues them: each copy's tasks and units get new ids (and steps m later), its `after` names
+    the copies or unrolled tasks m steps later than the original's.  Also returns, per copied
+    task id, (original task id, copy number).  None when a task has no key (tasks are matched
+    across steps by `Task.key`)."""
+    s = plan.schedule
+    steps, n, nu = s.steps, len(s.tasks), len(s.units)
+    if any(not t.key for t in s.tasks if t.step >= 0):
+        return None
+    at = {(t.step, t.key): t.id for t in s.tasks}
+    block = [t for t in s.tasks if t.step >= steps - m]
+    index = {t.id: i for i, t in enumerate(block)}
+    bunits = sorted({t.unit for t in block if t.unit >= 0} | {i.unit for i in plan.instrs if i.step >= steps - m and i.unit >= 0})
+    uindex = {u: i for i, u in enumerate(bunits)}
+    units = {u.id: u for u in s.units}
+
+    def copy_id(tid: int, rep: int) -> int:
+        return n + (rep - 1) * len(block) + index[tid]
+
+    def later(tid: int, k: int) -> int | None:
+        """Task tid issued k steps later: unrolled, or in a copy."""
+        t = s.tasks[tid]
+        st = t.step + k
+        if st < steps:
+            return at.get((st, t.key))
+        rep = (st - steps) // m + 1
+        orig = at.get((st - rep * m, t.key))
+        return copy_id(orig, rep) if orig is not None and orig in index else None
+
+    tasks = list(s.tasks)
+    new_units = list(s.units)
+    origin: dict[int, tuple[int, int]] = {}
+    for rep in range(1, copies + 1):
+        for t in block:
+            after = tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None)
+            unit = nu + (rep - 1) * len(bunits) + uindex[t.unit] if t.unit >= 0 else -1
+            tasks.append(replace(t, id=copy_id(t.id, rep), step=t.step + rep * m, unit=unit, after=after))
+            origin[copy_id(t.id, rep)] = (t.id, rep)
+        for u in bunits:
+            new_units.append(replace(units[u], id=nu + (rep - 1) * len(bunits) + uindex[u], step=units[u].step + rep * m))
+    instrs = list(plan.instrs)
+    for rep in range(1, copies + 1):
+        for ins in plan.instrs:
+            if ins.step >= steps - m:
+                instrs.append(replace(
+                    ins, task=copy_id(ins.task, rep) if ins.task >= 0 else -1, step=ins.step + rep * m,
+                    unit=nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1))
+    ext = replace(s, tasks=tuple(tasks), units=tuple(new_units), steps=steps + copies * m)
+    return EventPlan(ext, tuple(instrs), plan.num_events, plan.policy), origin
 
 
-def plan_segment_for(plan: EventPlan, k: int) -> tuple[Instr, ...]:
-    """The instructions the runtime issues for step k: `plan_segment(plan, steady_step(plan, k))`."""
-    return plan_segment(plan, steady_step(plan, k))
+def _replay_ok(plan: EventPlan, m: int, copies: int = 2) -> bool:
+    """Whether issuing the last m steps again, twice, is sound: every wait of a copy binds to a
+    record issued before it, every `after` of a copy is ordered, and no task of a copy races
+    (a plan that races already has no steady state to run).  Checked with the exact race
+    analysis of validate.py, looking for races from the copies' tasks only."""
+    from streamsched.interp.validate import analyse_plan  # validate does not import barriers
+
+    built = _replayed(plan, m, copies)
+    if built is None:
+        return False
+    ext, _ = built
+    n = len(plan.schedule.tasks)
+    an = analyse_plan(ext, races_from=n, first_race=True)
+    return not an.races and not any(w.index >= len(plan.instrs) for w in an.waits) \
+        and not any(v >= n for _, v in an.unordered_after)
+
+
+STEADY_PERIODS = 2
+"""A steady state repeats 1 or 2 slot periods (a wait every other step is a pattern of 2)."""
+
+
+def steady_period(plan: EventPlan) -> int | None:
+    """The smallest m, one or two slot periods and fewer than `schedule.steps`, such that the
+    training loop may issue the last m unrolled steps over and over (`_replay_ok`: two more
+    issues of them bind every wait, order every `after` and race nowhere).  m can exceed the slot
+    period (a wait every other step is a pattern of period 2).  None when no such m exists
+    (unroll more steps; a plan with races never has one) or when tasks have no keys."""
+    period = max(1, plan.schedule.period)
+    for m in range(period, min(plan.schedule.steps, STEADY_PERIODS * period + 1), period):
+        if _replay_ok(plan, m):
+            return m
+    return None
 
 
 def plan_is_periodic(plan: EventPlan) -> bool:
-    """True when the last `period` unrolled steps repeat the `period` steps before them (same
-    instructions on the same streams, same events, tasks matched by `Task.key`), so replaying
-    them forever (`plan_segment_for`) issues what a longer unrolling would.  False when fewer
-    than 2 * period steps are unrolled."""
-    s = plan.schedule
-    steps, period = s.steps, max(1, s.period)
-    if steps < 2 * period:
-        return False
-    units = {u.id: u for u in s.units}
+    """True when the plan has a steady state (`steady_period` is not None)."""
+    return steady_period(plan) is not None
 
-    def sig(ins: Instr) -> tuple:
-        key = s.tasks[ins.task].key if 0 <= ins.task < len(s.tasks) else None
-        u = units.get(ins.unit)
-        return (ins.op, ins.stream, key, ins.event, (u.graph, u.slot) if u is not None else None)
 
-    for i in range(period):
-        a = [sig(x) for x in plan_segment(plan, steps - period + i)]
-        b = [sig(x) for x in plan_segment(plan, steps - 2 * period + i)]
-        if a != b:
-            return False
-    return True
+@dataclass(frozen=True)
+class Segments:
+    """An EventPlan cut by step for the training loop: `by_step[k + 1]` holds step k's
+    instructions (k = -1 the prologue), and `period` is `steady_period(plan)`."""
+
+    by_step: tuple[tuple[Instr, ...], ...]
+    steps: int
+    period: int | None
+
+    def step_for(self, k: int) -> int:
+        """The unrolled step whose instructions run as step k of the loop: k while k < steps,
+        then the last `period` steps in turn.  Raises ValueError for k < -1, or for k >= steps
+        when the plan has no steady state (unroll more steps: `steady_period`)."""
+        if k < -1:
+            raise ValueError(f"step {k} does not exist (the prologue is -1)")
+        if k < self.steps:
+            return k
+        if self.period is None:
+            raise ValueError(f"the plan has no steady state within its {self.steps} unrolled steps; "
+                             "unroll more steps before running past them")
+        return self.steps - self.period + (k - self.steps) % self.period
+
+    def for_step(self, k: int) -> tuple[Instr, ...]:
+        """The instructions to issue as step k of the training loop."""
+        return self.by_step[self.step_for(k) + 1]
+
+
+def plan_segments(plan: EventPlan) -> Segments:
+    """Cut `plan` by step once (O(plan)), for a loop that asks for every step."""
+    by_step: list[list[Instr]] = [[] for _ in range(plan.schedule.steps + 1)]
+    for ins in plan.instrs:
+        by_step[ins.step + 1].append(ins)
+    return Segments(tuple(tuple(b) for b in by_step), plan.schedule.steps, steady_period(plan))
+
+
+def steady_step(plan: EventPlan, k: int) -> int:
+    """`plan_segments(plan).step_for(k)`."""
+    return plan_segments(plan).step_for(k)
+
+
+def plan_segment_for(plan: EventPlan, k: int) -> tuple[Instr, ...]:
+    """The instructions the training loop issues as step k (`Segments.for_step`); O(plan) per
+    call, so a loop should call `plan_segments` once."""
+    return plan_segments(plan).for_step(k)
