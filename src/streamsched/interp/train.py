@@ -240,6 +240,18 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     if compiled.plan is None or not compiled.ok:
         raise StreamschedError(list(compiled.diagnostics) or [Diagnostic("X004", "the schedule does not check")])
     m = program.model
+    if not program.step:
+        raise _x("X012", "nothing to run: the file has no `step` block",
+                 help="add the step, e.g. `step train(slot) { upload lr on trans; zero_grad; pass(load[slot]); "
+                      "load[next]; optimize }` (see examples/mlp_digits.sched)")
+    written = {o for t in compiled.schedule.tasks for o in t.outs}
+    if m.loss not in written:
+        raise _x("X012", f"the step never computes the loss of model `{m.name}`",
+                 help=f"launch a graph that runs `forward {m.name}; backward {m.name}`")
+    stale = [p for p in m.params if not any(p in t.outs for t in compiled.schedule.tasks)]
+    if stale and len(stale) == len(m.params):
+        raise _x("X012", f"the step never updates the parameters of model `{m.name}`",
+                 help=f"launch a graph that calls an optimizer, e.g. `sgd({m.name}, lr, momentum = 0.9)`")
     tv = dict(program.train)
     spans = dict(program.train_spans)
     seed = opts.seed if opts.seed is not None else int(tv.get("seed", 0))
