@@ -280,8 +280,10 @@ class Resolver:
                 continue
             want = self.const(d, dims)
             if want != actual_d:
-                self.fail(code_shape, f"{what} has shape {list(shape)}, but the type `{_type_text(t)}` needs "
-                          f"{want} where it has {actual_d}", at,
+                why = (f"`{d.name.id}` is {want} (bound by an earlier argument)" if isinstance(d, A.Var)
+                       else f"it needs {want}")
+                self.fail(code_shape, f"{what} has shape {list(shape)}, but `{_type_text(t)}` does not fit: "
+                          f"{why}, not {actual_d}", at,
                           labels=[Label(decl, "declared here")] if decl else [])
 
     def type_shape(self, t: A.TypeExpr, dims: dict[str, Any]) -> tuple[tuple[int, ...], str]:
