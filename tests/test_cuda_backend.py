@@ -108,6 +108,29 @@ def _cases():
                        np.int32(1).reshape(())], {"weight_decay": 0.01, "beta1": 0.8}),
         ("increment", [np.float32(4).reshape(())], {}),
         ("increment", [np.int32(7).reshape(())], {"by": 2.0}),
+        # the multi-block loss, the column sums and the row-broadcast binaries, at the
+        # benchmark's batch-2048 shapes and at odd ones (g = 1 and 32 lanes per row, 3-D axes,
+        # the scalar path of the broadcast for rows of 10 and 6, f64 and f16)
+        ("softmax_xent", [_f(2048, 10, scale=3), _labels(2048, 10)], {}),
+        ("softmax_xent", [_f(300, 1000), _labels(300, 1000, np.int64)], {}),
+        ("softmax_xent", [_f(7, 1), _labels(7, 1)], {}),
+        ("softmax_xent_grad", [np.float32(1.3).reshape(()), _f(2048, 10, scale=3), _labels(2048, 10)], {}),
+        ("softmax_xent_grad", [np.float32(0.7).reshape(()), _f(37, 33), _labels(37, 33, np.int64)], {}),
+        ("sum", [_f(33, 70)], {"axis": 0}),
+        ("sum", [_f(3, 7, 5)], {"axis": 1}),
+        ("sum", [_f(4, 5, 6)], {"axis": 0}),
+        ("sum", [_f(4, 5, 6)], {"axis": -2}),
+        ("sum", [_f(50, 40).astype(np.float64)], {"axis": 0}),
+        ("mean", [_f(6, 300, 3)], {"axis": 1}),
+        ("mean", [_f(40, 24)], {"axis": 0}),
+        ("add", [_f(2048, 1024), _f(1024)], {}),
+        ("add", [_f(2048, 10), _f(10)], {}),
+        ("add", [_f(20, 8).astype(np.float64), _f(8).astype(np.float64)], {}),
+        ("add", [_f(16, 8).astype(np.float16), _f(8).astype(np.float16)], {}),
+        ("sub", [_f(64, 12), _f(12)], {}),
+        ("mul", [_f(3, 5, 8), _f(8)], {}),
+        ("bias_add", [_f(2048, 1024), _f(1024)], {}),
+        ("bias_add", [_f(9, 6), _f(6)], {}),
     ]
     return c
 
@@ -216,6 +239,96 @@ def test_matmul_f16(cp, ctx):
     np.testing.assert_allclose(cp.asnumpy(c).astype(np.float32), ref, rtol=2e-2, atol=2e-2)
 
 
+def _bits_equal(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes(), float(np.max(np.abs(got.astype(np.float64) - want)))
+
+
+def test_batch_2048_kernels_are_exact_and_bitwise_deterministic(cp, ctx):
+    """The bias-gradient column sums, the loss and its gradient and the bias add at the
+    benchmark's shapes: sums within rounding of the float64 sum (they accumulate in double),
+    and every result bitwise the same on a second and third run, on either stream, into the
+    same or fresh outputs."""
+    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+
+    z_h, y_h = _f(2048, 10, scale=3), _labels(2048, 10)
+    dy_h, b_h, dz_h = _f(2048, 1024), _f(1024), _f(2048, 10)
+    dys_h = _f(128, 1024)
+    z, y, dy, b, dz, dys = (cp.asarray(v) for v in (z_h, y_h, dy_h, b_h, dz_h, dys_h))
+    one = cp.asarray(np.float32(1.0).reshape(()))
+    cp.cuda.runtime.deviceSynchronize()
+
+    def fresh():
+        o = {"loss": cp.full((), 77, cp.float32), "dz": cp.full((2048, 10), 77, cp.float32),
+             "db": cp.full(1024, 77, cp.float32), "mean": cp.full(1024, 77, cp.float32),
+             "dbs": cp.full(1024, 77, cp.float32), "dzb": cp.full(10, 77, cp.float32),
+             "yb": cp.full((2048, 1024), 77, cp.float32)}
+        cp.cuda.runtime.deviceSynchronize()  # filled on the legacy stream; ctx's streams do not wait
+        return o
+
+    def once(stream, o):
+        K["softmax_xent"](ctx, stream, [z, y], [o["loss"]], {})
+        K["softmax_xent_grad"](ctx, stream, [one, z, y], [o["dz"]], {})
+        K["sum"](ctx, stream, [dy], [o["db"]], {"axis": 0})
+        K["mean"](ctx, stream, [dy], [o["mean"]], {"axis": 0})
+        K["sum"](ctx, stream, [dys], [o["dbs"]], {"axis": 0})
+        K["sum"](ctx, stream, [dz], [o["dzb"]], {"axis": -2})
+        K["add"](ctx, stream, [dy, b], [o["yb"]], {})
+        ctx.synchronize()
+        return {k: cp.asnumpy(v) for k, v in o.items()}
+
+    same = fresh()
+    first = once("s0", same)
+    for stream, outs in (("s0", same), ("s1", same), ("s1", fresh()), ("s0", fresh())):
+        for k, v in once(stream, outs).items():
+            _bits_equal(v, first[k])
+
+    f64 = np.float64
+    np.testing.assert_allclose(first["db"], dy_h.astype(f64).sum(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(first["mean"], dy_h.astype(f64).mean(0), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(first["dbs"], dys_h.astype(f64).sum(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(first["dzb"], dz_h.astype(f64).sum(0), rtol=1e-6, atol=1e-6)
+    _bits_equal(first["yb"], dy_h + b_h)
+    z64 = z_h.astype(f64)
+    m = z64.max(1, keepdims=True)
+    lse = np.log(np.exp(z64 - m).sum(1)) + m[:, 0]
+    np.testing.assert_allclose(first["loss"], (lse - z64[np.arange(2048), y_h]).mean(), rtol=1e-5)
+    p = np.exp(z64 - lse[:, None])
+    p[np.arange(2048), y_h] -= 1
+    np.testing.assert_allclose(first["dz"], p / 2048, rtol=1e-5, atol=1e-9)
+
+
+def test_bias_add_in_place(cp, ctx):
+    """c = a + b written over a (the executor hands the same array object for an in-place
+    update), on the vectorized and the scalar path."""
+    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+
+    for shape in ((2048, 1024), (33, 10)):
+        a_h, b_h = _f(*shape), _f(shape[1])
+        a, b = cp.asarray(a_h), cp.asarray(b_h)
+        cp.cuda.runtime.deviceSynchronize()
+        K["add"](ctx, "s0", [a, b], [a], {})
+        ctx.synchronize()
+        _bits_equal(cp.asnumpy(a), a_h + b_h)
+
+
+def test_bad_label_gives_nan_loss(cp, ctx):
+    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+
+    y_h = _labels(300, 10)
+    y_h[17] = 10
+    z, y = cp.asarray(_f(300, 10)), cp.asarray(y_h)
+    loss, dz, one = cp.zeros((), cp.float32), cp.zeros((300, 10), cp.float32), cp.ones((), cp.float32)
+    cp.cuda.runtime.deviceSynchronize()
+    K["softmax_xent"](ctx, "s0", [z, y], [loss], {})
+    K["softmax_xent_grad"](ctx, "s0", [one, z, y], [dz], {})
+    ctx.synchronize()
+    assert np.isnan(float(loss))
+    d = cp.asnumpy(dz)
+    assert np.isnan(d[17]).all() and not np.isnan(np.delete(d, 17, axis=0)).any()
+
+
 # -- hand-built plans ----------------------------------------------------------------------------
 
 I = Instr
@@ -286,6 +399,77 @@ def test_linear_backward_fork_join(cp, capture):
         assert _components(len(types), edges) == 3, (types, edges)
         assert "digraph" in captured_dot(g)
     ex.close()
+
+
+def _loss_head(capture, n=2048, c=10, h=1024):
+    """The loss, its gradient and the logits' bias gradient on s0, beside a bias add and its
+    column sum on s1, in one unit (the kernels rewritten for batch 2048, captured together)."""
+    bufs = plan_memory((
+        Buffer("z", (n, c), "f32"), Buffer("y", (n,), "i32"), Buffer("dl", (), "f32", kind="scalar"),
+        Buffer("loss", (), "f32"), Buffer("dz", (n, c), "f32", kind="grad"),
+        Buffer("dzb", (c,), "f32", kind="grad"), Buffer("a", (n, h), "f32"),
+        Buffer("b", (h,), "f32", kind="param"), Buffer("ab", (n, h), "f32"),
+        Buffer("db", (h,), "f32", kind="grad"),
+    ))
+    tasks = (
+        Task(0, "softmax_xent", "s0", ("z", "y"), ("loss",), unit=0, label="loss"),
+        Task(1, "softmax_xent_grad", "s0", ("dl", "z", "y"), ("dz",), unit=0, label="dz"),
+        Task(2, "sum", "s0", ("dz",), ("dzb",), (("axis", 0),), unit=0, label="dzb"),
+        Task(3, "add", "s1", ("a", "b"), ("ab",), unit=0, label="bias"),
+        Task(4, "sum", "s1", ("ab",), ("db",), (("axis", 0),), unit=0, label="db"),
+    )
+    sched = Schedule(("s0", "s1", HOST), bufs, tasks, (Unit(0, "head", "head", "s0"),),
+                     capture=capture)
+    instrs = (
+        I("begin", "s0", unit=0),
+        I("record", "s0", event=0), I("wait", "s1", event=0),
+        I("launch", "s0", task=0), I("launch", "s0", task=1), I("launch", "s0", task=2),
+        I("launch", "s1", task=3), I("launch", "s1", task=4),
+        I("record", "s1", event=1), I("wait", "s0", event=1),
+        I("end", "s0", unit=0),
+        I("record", "s0", event=2), I("wait", HOST, event=2),
+    )
+    return sched, EventPlan(sched, instrs, 3)
+
+
+def test_captured_loss_head_replays_bitwise_equal_to_eager(cp):
+    """softmax_xent (two kernels and a scratch made before capture), its gradient, the column
+    sums and the bias add captured in one graph: no memory nodes, and every replay bitwise
+    equal to the eager run and to the other replays; the values match the NumPy twins."""
+    from streamsched.interp.cuda import CudaExecutor, graph_nodes_edges
+
+    n, c, h = 2048, 10, 1024
+    z, y, a, b = _f(n, c, scale=3), _labels(n, c), _f(n, h), _f(h)
+    names = ("loss", "dz", "dzb", "ab", "db")
+    res = {}
+    for capture in ("none", "graphs"):
+        sched, plan = _loss_head(capture, n, c, h)
+        ex = CudaExecutor(sched, plan, capture=capture)
+        for nm, val in (("z", z), ("y", y), ("dl", 1.0), ("a", a), ("b", b)):
+            ex.set(nm, val)
+        runs = []
+        for _ in range(3):
+            ex.run()
+            runs.append({nm: ex.get(nm) for nm in names})
+        if capture == "graphs":
+            types, _ = graph_nodes_edges(ex.graph_of(0))
+            assert not [t for t in types if t.startswith("Mem") and t not in ("Memcpy", "Memset")], types
+            assert types.count("Kernel") >= 6, types
+        ex.close()
+        for r in runs[1:]:
+            for nm in names:
+                _bits_equal(r[nm], runs[0][nm])
+        res[capture] = runs[0]
+    for nm in names:
+        _bits_equal(res["graphs"][nm], res["none"][nm])
+    got = res["graphs"]
+    (loss,), _ = _cpu_reference("softmax_xent", [z, y], {})
+    (dz,), _ = _cpu_reference("softmax_xent_grad", [np.float32(1.0).reshape(()), z, y], {})
+    _close(got["loss"], loss, 1e-5, 1e-6)
+    _close(got["dz"], dz, 1e-5, 1e-6)
+    np.testing.assert_allclose(got["dzb"], got["dz"].astype(np.float64).sum(0), rtol=1e-6, atol=1e-9)
+    _bits_equal(got["ab"], a + b)
+    np.testing.assert_allclose(got["db"], (a + b).astype(np.float64).sum(0), rtol=1e-6, atol=1e-5)
 
 
 def _sgd_with_uploaded_lr(capture):

@@ -89,6 +89,7 @@ class ModelInfo:
     labels: str
     batch: int
     forward: tuple[TaskTemplate, ...] = ()
+    eval_forward: tuple[TaskTemplate, ...] = ()  # the forward as evaluation runs it (`NAME.eval` ops)
 
 
 @dataclass(frozen=True)

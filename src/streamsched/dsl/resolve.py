@@ -489,6 +489,7 @@ class Resolver:
             env[kw.name.id] = self.const(kw.value, env)
         values: dict[str, str] = {}  # model value name -> buffer name
         producers: dict[str, list[int]] = {}  # model value name -> templates of the call making it
+        evals: list[TaskTemplate] = []  # the forward as evaluation runs it (NAME.eval ops)
         poisoned: set[str] = set()
         self._poisoned = poisoned
         had_error = False
@@ -510,6 +511,7 @@ class Resolver:
                     continue
                 first = len(fwd)
                 calls.append(self.model_call(m, st, env, values, fwd, len(calls), params))
+                self.eval_call(calls[-1], fwd[first:], evals)
                 deps: list[int] = []
                 for r in st.clauses.after:
                     if r.text not in values:
@@ -542,7 +544,7 @@ class Resolver:
         label_input = next((k for k, v in values.items() if v == labels), "")
         batch = int(env.get("batch", inputs[0][1][0] if inputs else 1))
         info = ModelInfo(m.name.id, tuple(inputs), tuple(params), tuple(f"grad.{p}" for p in params), loss,
-                         logits, label_input, batch, tuple(fwd))
+                         logits, label_input, batch, tuple(fwd), tuple(evals))
         return fwd, bwd, info
 
     def model_call(self, m, st: A.OpUse, env, values, fwd, op_id, params) -> _Call:
@@ -552,12 +554,12 @@ class Resolver:
                       help="ops come from stdlib/ops.sched or an `op` block of this file")
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
-        if grads or states:
+        if grads:
             self.fail("S015", f"`{op.name}` is an optimizer op; call it in a graph body on a model", name.span)
         # Free dimensions: named in param/output types but not in input types.
         in_dims = {d.name.id for p in ins if p.type for d in p.type.dims if isinstance(d, A.Var)}
         free: list[str] = []
-        for t in [p.type for p in prm] + [o.type for o in op.outs]:
+        for t in [p.type for p in prm + states] + [o.type for o in op.outs]:
             if t is None:
                 continue
             for d in t.dims:
@@ -606,22 +608,28 @@ class Resolver:
             if a.name.id in given:
                 attr_vals[a.name.id] = self.const(given[a.name.id], env)
         target0 = st.targets[0].id
-        for p in prm:
+        for p in prm + states:
+            # Parameters are trained; state (running statistics, RNG offsets) is created per use
+            # the same way, checkpointed, and never differentiated.
             if p.type is None:
-                self.fail("S015", f"parameter `{p.name.id}` of op `{op.name}` needs a type", p.span)
+                self.fail("S015", f"`{p.name.id}` of op `{op.name}` needs a type", p.span)
             shape, dtype = self.type_shape(p.type, dims)
-            init = "glorot"
+            init = "glorot" if p.modifier == "param" else "zeros"
             if isinstance(p.default, A.Var):
-                init = p.default.id if hasattr(p.default, "id") else p.default.name.id
+                init = p.default.name.id
                 if init not in INITS:
                     self.fail("S015", f"unknown init `{init}`", p.default.span, help=f"inits: {', '.join(INITS)}")
             bname = f"{target0}.{p.name.id}"
-            self.add_buffer(bname, shape, dtype, "param", p.span, init=init)
-            params.append(bname)
+            self.add_buffer(bname, shape, dtype, "param" if p.modifier == "param" else "state", p.span, init=init)
+            if p.modifier == "param":
+                params.append(bname)
             bind[p.name.id] = bname
-        if len(st.targets) != len(op.outs):
+        if not 1 <= len(st.targets) <= len(op.outs):
             self.fail("S005", f"op `{op.name}` produces {len(op.outs)} value(s); {len(st.targets)} target(s) given",
                       st.span)
+        # Outputs past the targets are kept for the backward (batch statistics, dropout masks).
+        for o in op.outs[len(st.targets):]:
+            bind[o.name.id] = f"{target0}.{o.name.id}"
         for t, o in zip(st.targets, op.outs):
             if t.id in values:
                 self.fail("S002", f"`{t.id}` is defined twice in model `{m.name.id}`", t.span)
@@ -632,12 +640,36 @@ class Resolver:
                 shape, dtype = self.type_shape(o.type, dims)
                 self.add_buffer(bname, shape, dtype, "act", t.span)
             values[t.id] = bname
+        attr_vals = {**dims, **attr_vals}  # dimension variables are constants in the body too
         env_op = dict(bind)
         env_op["__attrs__"] = attr_vals
         label = f"{op.name}@{target0}"
         self.expand_op(op, env_op, attr_vals, fwd, op_id, target0, label, st.span)
         return _Call(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
                      tuple(o.name.id for o in op.outs), st.span, label)
+
+    def eval_call(self, c: _Call, trained: list[TaskTemplate], out: list[TaskTemplate]) -> None:
+        """Append the evaluation form of one forward call: `NAME.eval` bound by name (as a
+        backward is: NAME's inputs, parameters, state and outputs), else the training form."""
+        eop = self.ops.get(c.op.name + ".eval")
+        if eop is None:
+            out.extend(trained)
+            return
+        bind: dict[str, str] = {}
+        for p in eop.params:
+            if p.default is not None and p.type is None and p.modifier is None:
+                continue
+            if p.name.id not in c.bind:
+                self.fail("S007", f"`{p.name.id}` of `{eop.name}` names nothing of `{c.op.name}`", p.span,
+                          help=f"it may name {', '.join(c.bind)}")
+            bind[p.name.id] = c.bind[p.name.id]
+        for o in eop.outs:
+            if o.name.id not in c.bind:
+                self.fail("S007", f"output `{o.name.id}` of `{eop.name}` is not an output of `{c.op.name}`", o.span)
+            bind[o.name.id] = c.bind[o.name.id]
+        bind["__attrs__"] = c.attrs
+        self.expand_op(eop, bind, c.attrs, out, -1, f"{c.label.split('@')[-1]}.eval", f"{eop.name}@{c.label.split('@')[-1]}",
+                       c.span)
 
     def derive_backward(self, m, calls: list[_Call], loss: str, params: list[str]) -> list[TaskTemplate]:
         """Reverse-mode: gradients flow from d(loss) = 1 through each call's `.backward` op in

@@ -184,7 +184,8 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
     batch = m.batch
     arrs: dict[str, np.ndarray] = dict(params)
     feat, lab = _input_names(program)
-    names = {n for t in m.forward for n in t.args + t.outs}
+    fwd = m.eval_forward or m.forward
+    names = {n for t in fwd for n in t.args + t.outs}
     for n in names:
         concrete = n.replace("{slot}", program.slots[0]) if program.slots else n
         if concrete not in arrs:
@@ -205,7 +206,7 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
         if yin is not None:
             arrs[yin][...] = 0
             arrs[yin][:k] = yb
-        for t in m.forward:
+        for t in fwd:
             kern = KERNELS[t.kernel]
             kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
         logits = arrs[m.logits]
@@ -216,6 +217,18 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
         lse = np.log(np.exp(z).sum(axis=1))
         total_loss += float((lse - z[np.arange(k), yb]).sum())
     return total_loss / n, correct / n
+
+
+def _fit_samples(ds, in_shape):
+    """Samples with as many values as the model's input but another shape (the flat 8x8 digits
+    for an NHWC `f32[batch, 8, 8, 1]` input) are reshaped, row-major; others are left for
+    `check_compatible` to report."""
+    want = tuple(in_shape[1:])
+    if ds.sample_shape == want or int(np.prod(ds.sample_shape)) != int(np.prod(want)):
+        return ds
+    from dataclasses import replace as _replace
+
+    return _replace(ds, x_train=ds.x_train.reshape((-1,) + want), x_test=ds.x_test.reshape((-1,) + want))
 
 
 def _input_names(program) -> tuple[str, str]:
@@ -261,6 +274,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     in_shape = next(s for n, s, _ in m.inputs if n == feat)
     lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
     classes = dict((b.name, b.shape) for b in program.buffers).get(m.logits, (0, 0))[-1]
+    ds = _fit_samples(ds, in_shape)
     check_compatible(ds, in_shape, lab_dtype, classes, spans.get("data"))
     batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"))
     epochs = opts.epochs if opts.epochs is not None else int(tv.get("epochs", 10))

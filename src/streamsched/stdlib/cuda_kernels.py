@@ -297,6 +297,7 @@ extern "C" __global__ void ss_rowbcast4(const float4* a, const float4* b, float4
 _CTYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
            "float16": ("__half", "float")}
 _LTYPES = {"int32": "int", "int64": "long long"}
+_DENSE = ("float32", "float64")  # ss_colsum / ss_rowbcast; f16 stays on CuPy's kernels
 _HEAD = ("#define CUDART_NAN __int_as_float(0x7fffffff)\n"
          "#define SS_INF __int_as_float(0x7f800000)\n")
 
@@ -457,7 +458,7 @@ def _colsum(ctx, stream, x, out, axis: int, mean: bool) -> bool:
     import numpy as np
 
     dt = str(x.dtype)
-    if dt not in _CTYPES or out.dtype != x.dtype or x.ndim == 0 or x.size == 0:
+    if dt not in _DENSE or out.dtype != x.dtype or x.ndim == 0 or x.size == 0:
         return False
     axis %= x.ndim
     shape = x.shape
@@ -484,7 +485,7 @@ def _rowbcast(ctx, stream, a, b, out, op: int) -> bool:
         return False
     cols = int(a.shape[-1])
     dt = a.dtype
-    if b.shape[0] != cols or b.dtype != dt or out.dtype != dt or str(dt) not in _CTYPES or a.size == 0:
+    if b.shape[0] != cols or b.dtype != dt or out.dtype != dt or str(dt) not in _DENSE or a.size == 0:
         return False
     if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
         return False
