@@ -422,6 +422,8 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "softmax_xent_grad": ([np.array(1.5), _f(3, 4), np.array([0, 3, 1], np.int32)], {}),
     "fill": ([], {"value": 1.5, "shape": (3, 4), "dtype": "f64"}),
     "copy": ([_f(3, 4)], {}),
+    "flatten": ([_f(2, 3, 3, 2)], {}),
+    "unflatten": ([_f(2, 18), _f(2, 3, 3, 2, seed=1)], {}),
     "h2d": ([_f(3, 4)], {}),
     "d2h": ([_f(3, 4)], {}),
     "sgd_step": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), np.array(0.1)],
@@ -440,7 +442,9 @@ def _sample(key):
 
 
 def test_samples_cover_every_cpu_kernel():
-    assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items() if k.cpu}
+    from streamsched.stdlib.kernels_cnn import CNN_KERNELS  # covered by tests/test_kernels_cnn.py
+
+    assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items() if k.cpu and n not in CNN_KERNELS}
 
 
 ALIAS_CASES = []
@@ -606,3 +610,15 @@ def test_type_errors(name, types, attrs, code, arg, words):
 def test_type_rules_accept(name, types, attrs, want):
     assert infer_types(name, types, attrs) == want
     assert kernel(name).infer(types, attrs) == want  # the record's rule fills defaults too
+
+
+def test_flatten_round_trip_and_gradient():
+    x = _f(2, 3, 3, 2)
+    y = np.empty((2, 18))
+    KERNELS["flatten"].cpu([x], [y], {})
+    assert np.array_equal(y, x.reshape(2, 18))
+    dx = np.empty_like(x)
+    KERNELS["unflatten"].cpu([y, x], [dx], {})
+    assert np.array_equal(dx, x)  # a reshape's gradient is the inverse reshape
+    with pytest.raises(KernelTypeError):
+        KERNELS["unflatten"].infer([((2, 17), "f64"), ((2, 3, 3, 2), "f64")], {})

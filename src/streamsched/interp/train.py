@@ -366,7 +366,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                     if i % 5 == 0:
                         bar.set_postfix(epoch=e, loss=f"{loss:.4f}")
             runner.sync()
-            params = {n: runner.read(n) for n in m.params}
+            params = {n: runner.read(n) for n in saved}  # params and state (running statistics)
             rec = {"epoch": e, "step": e * spe + len(losses), "train_loss": float(np.mean(losses)) if losses else float("nan"),
                    "lr": lr_sched(min((e + 1) * spe - 1, total - 1)), "time_s": round(time.perf_counter() - t0, 3)}
             if (e + 1) % opts.eval_every == 0 or e == epochs - 1:

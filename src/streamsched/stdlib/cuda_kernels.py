@@ -611,6 +611,11 @@ def _copy(ctx, stream, ins, outs, attrs):
         _kernels()["copy"](ins[0], outs[0])
 
 
+def _reshape(ctx, stream, ins, outs, attrs):
+    with _stream(ctx, stream):
+        _kernels()["copy"](ins[0].reshape(outs[0].shape), outs[0])
+
+
 def _h2d(ctx, stream, ins, outs, attrs):
     ctx.memcpy(stream, outs[0], ins[0])
 
@@ -688,6 +693,8 @@ CUDA_KERNELS: dict[str, Callable] = {
     "softmax_xent_grad": _softmax_xent_grad,
     "fill": _fill,
     "copy": _copy,
+    "flatten": _reshape,
+    "unflatten": _reshape,
     "h2d": _h2d,
     "d2h": _d2h,
     "alloc": _alloc,

@@ -548,6 +548,33 @@ def _copy_cpu(ins, outs, at):
 _register("copy", "a", "b", _same_infer, _copy_cpu, doc="""
 b = a, device to device; any shape and dtype, b has a's type.
 """)
+def _flatten_infer(name, ins, types, at):
+    (shape, dt), = types[:1]
+    if len(shape) < 2:
+        raise KernelTypeError(f"{name}: x must have a batch dimension and at least one more, got {list(shape)}", 0)
+    if name == "flatten":
+        n = 1
+        for d in shape[1:]:
+            n *= d
+        return [((shape[0], n), dt)]
+    dy, x = types
+    if dy[0] != (x[0][0], int(np.prod(x[0][1:]))):
+        raise KernelTypeError(f"{name}: dy is {list(dy[0])}, but x {list(x[0])} flattens to "
+                              f"[{x[0][0]}, {int(np.prod(x[0][1:]))}]", 0)
+    return [(x[0], dy[1])]
+
+
+def _reshape_cpu(ins, outs, at):
+    outs[0][...] = np.asarray(ins[0]).reshape(outs[0].shape)
+
+
+_register("flatten", "x", "y", _flatten_infer, _reshape_cpu, doc="""
+y[n, h*w*c] = x[n, h, w, c] reshaped row-major (a copy; NHWC order is kept).
+""")
+_register("unflatten", "dy x", "dx", lambda name, ins, types, at: _flatten_infer(name, ins, types, at),
+          lambda ins, outs, at: _reshape_cpu(ins[:1], outs, at), doc="""
+dx = dy reshaped to x's shape (x is read for its shape only): the gradient of `flatten`.
+""")
 _register("h2d", "a", "b", _same_infer, _copy_cpu, doc="""
 b = a, host (pinned staging) to device; on the CUDA backend a cudaMemcpyAsync on the copy
 stream, which reads the host buffer when it runs, not at launch.  Any shape and dtype.
@@ -740,3 +767,5 @@ def infer_types(name: str, in_types: Sequence[TensorType],
     """Output types of kernel `name` on inputs `in_types`, attribute defaults filled in;
     raises KernelTypeError (S003 shapes/arity/attributes, S004 dtypes)."""
     return kernel(name).infer(in_types, attrs or {})
+
+import streamsched.stdlib.kernels_cnn  # noqa: E402,F401  (registers the CNN, batch-norm, dropout and AMP kernels)
