@@ -80,8 +80,8 @@ class SourceCache:
 
             text = self.texts[file] = stdlib_text()
         if text is None:
-            try:
-                with open(file, encoding="utf-8") as f:
+            try:  # a file that is not UTF-8 is reported by the loader; show what can be shown
+                with open(file, encoding="utf-8", errors="replace") as f:
                     text = f.read()
             except OSError:
                 return None
@@ -108,7 +108,10 @@ def _snippet(span: Span, sources: SourceCache, message: str = "", gutter: int = 
     carets = "^" * max(1, end - start)
     pad = " " * width
     tail = f" {message}" if message else ""
-    return [f"{pad} |", f"{num.rjust(width)} | {src}", f"{pad} | {' ' * (start - 1)}{carets}{tail}"]
+    # Columns count characters, a tab as one; a terminal widens tabs.  Keep the source's tabs
+    # in the caret line's indent (everything else a space) so the caret stays under its column.
+    indent = "".join("\t" if ch == "\t" else " " for ch in src[:start - 1]) + " " * max(0, start - 1 - len(src))
+    return [f"{pad} |", f"{num.rjust(width)} | {src}", f"{pad} | {indent}{carets}{tail}"]
 
 
 def render(diag: Diagnostic, sources: SourceCache | None = None) -> str:

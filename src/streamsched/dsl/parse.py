@@ -7,8 +7,8 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib import resources
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl import ast as A
@@ -334,17 +334,98 @@ def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
     )
 
 
+MAX_NESTING = 100
+"""How deep one expression may nest (calls, operators, unary minus, `^T`): the AST and every
+pass after it are built by recursion, so a fixed limit far below Python's keeps them all safe."""
+
+# The grammar rules that nest one expression level (parentheses alone build no node).
+_NESTING_RULES = frozenset({"call", "add", "sub", "mul", "div", "neg", "transpose"})
+
+
+def _rule_span(tree: Tree, path: str) -> Span | None:
+    meta = tree.meta
+    if getattr(meta, "empty", True):
+        return None
+    return Span(path, meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _nesting(tree: Tree, path: str) -> tuple[int, Span | None]:
+    """How deep expressions nest in `tree`, and the span of the outermost expression around the
+    deepest point (where the nesting starts).  Iterative, so safe however deep the tree is."""
+    best, where = 0, None
+    stack: list[tuple[Tree, int, Tree | None]] = [(tree, 0, None)]
+    while stack:
+        node, depth, outer = stack.pop()
+        if node.data in _NESTING_RULES:
+            depth += 1
+            outer = outer or node
+            if depth > best:
+                best, where = depth, outer
+        for child in node.children:
+            if isinstance(child, Tree):
+                stack.append((child, depth, outer))
+    return best, (_rule_span(where, path) if where is not None else None)
+
+
+def _deepest_line(text: str, path: str) -> Span:
+    """Where parentheses nest deepest: the `(` that opens the outermost group around the deepest
+    point (a fallback position when only a RecursionError is known; comments and strings skipped)."""
+    depth = best = 0
+    opens: list[int] = []
+    best_pos = 0
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "#":
+            nl = text.find("\n", i)
+            i = n if nl < 0 else nl
+            continue
+        if ch == '"':
+            end = text.find('"', i + 1)
+            i = n if end < 0 else end + 1
+            continue
+        if ch == "(":
+            opens.append(i)
+            depth += 1
+            if depth > best:
+                best, best_pos = depth, opens[0]
+        elif ch == ")" and opens:
+            opens.pop()
+            depth -= 1
+        i += 1
+    line = text.count("\n", 0, best_pos) + 1
+    col = best_pos - (text.rfind("\n", 0, best_pos) + 1) + 1
+    return Span(path, line, col, line, col + 1)
+
+
+def _nesting_error(span: Span) -> StreamschedError:
+    return StreamschedError([Diagnostic(
+        "P004", f"expression nested too deeply (more than {MAX_NESTING} levels)", span,
+        help="split it into several statements, naming the intermediate results")])
+
+
 def parse(text: str, path: str = "<string>") -> A.File:
     """Parse `.sched` text into a `File`.
 
     Raises StreamschedError with one P-family diagnostic (P001 unexpected end of file,
-    P002 unexpected token, P003 unexpected character) on a syntax error.
+    P002 unexpected token, P003 unexpected character, P004 expression nested too deeply) on a
+    syntax error.
     """
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as exc:
         raise StreamschedError([_parse_error(exc, text, path)]) from None
     except RecursionError:  # pathological nesting
-        raise StreamschedError([Diagnostic("P004", "expression nested too deeply", Span(path, 1, 1, 1, 2))]) from None
-    items = _ToAst(path).transform(tree)
+        raise _nesting_error(_deepest_line(text, path)) from None
+    depth, span = _nesting(tree, path)
+    if depth > MAX_NESTING:
+        raise _nesting_error(span or _deepest_line(text, path))
+    try:
+        items = _ToAst(path).transform(tree)
+    except RecursionError:  # a backstop: the check above keeps the recursion far from the limit
+        raise _nesting_error(span or _deepest_line(text, path)) from None
+    except VisitError as exc:  # lark wraps what a callback raises
+        if isinstance(exc.orig_exc, RecursionError):
+            raise _nesting_error(span or _deepest_line(text, path)) from None
+        raise
     return A.File(path, items)

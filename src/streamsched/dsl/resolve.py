@@ -24,7 +24,7 @@ POLICIES = ("auto", "chain", "explicit")
 CAPTURES = ("none", "graphs", "step")
 INITS = ("zeros", "ones", "glorot", "he", "normal", "uniform")
 KNOWN_HOST_VALUES = ("lr", "step")
-TRAIN_KEYS = ("model", "data", "epochs", "lr", "capture", "barriers", "seed", "step", "eval", "log")
+TRAIN_KEYS = ("model", "data", "epochs", "lr", "capture", "barriers", "seed", "log")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class Resolver:
         self.model_info: ModelInfo | None = None
         self._tmp = 0
         self._poisoned: set[str] = set()
+        self.broken_models: set[str] = set()  # models whose mistakes were reported; no follow-ups
+        self.runs: dict[str, Span | None] = {}  # ForwardStmt / BackwardStmt / optimizer -> a span
 
     # ------------------------------------------------------------------ helpers
     def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
@@ -164,6 +166,27 @@ class Resolver:
             self.err("S001", "no streams are declared", first,
                      help="declare them first: `streams { comp1 : compute }`")
 
+    def check_places(self) -> None:
+        """`place OP on S` and `place OP.STMT on S` must name an op (and one of its statements)
+        and a declared stream; a placement that matches nothing would silently do nothing."""
+        for target, pl in self.places.items():
+            try:
+                self.stream(pl.stream, stdlib=False)
+                if target in self.ops:
+                    continue
+                op_name, _, stmt = target.rpartition(".")
+                op = self.ops.get(op_name)
+                if op is None:
+                    self.fail("S006", f"`place {target}`: no op `{target}`", pl.target_span,
+                              help="place an op (`place relu on comp1`) or one statement of it "
+                                   "(`place linear.backward.db on comp3`)")
+                names = [t.id for st in op.body for t in st.targets]
+                if stmt not in names:
+                    self.fail("S007", f"`place {target}`: op `{op_name}` has no statement `{stmt}`",
+                              pl.target_span, help=f"its statements: {', '.join(names)}")
+            except _Abort:
+                continue
+
     def unique(self, table: dict, name: A.Name, item, what: str) -> None:
         if name.id in table:
             self.err("S002", f"{what} `{name.id}` is defined twice", name.span,
@@ -202,7 +225,9 @@ class Resolver:
             self.fail("S001", "`host` is the CPU thread: kernels cannot run on it", name.span)
         if stdlib and self.streams:
             return self.fold(n)
-        known = ", ".join(self.streams) or "none"
+        if not self.streams:
+            raise _Abort()  # "no streams are declared" was reported once already
+        known = ", ".join(self.streams)
         self.fail("S001", f"unknown stream `{n}`", name.span, help=f"declared streams: {known}")
         return ""
 
@@ -511,6 +536,9 @@ class Resolver:
                     continue
                 first = len(fwd)
                 calls.append(self.model_call(m, st, env, values, fwd, len(calls), params))
+                # `after` on model lines names model values: tasks answer to their value's name
+                for i in range(first, len(fwd)):
+                    fwd[i] = replace(fwd[i], stmt=st.targets[0].id)
                 self.eval_call(calls[-1], fwd[first:], evals)
                 deps: list[int] = []
                 for r in st.clauses.after:
@@ -714,6 +742,12 @@ class Resolver:
                                   f"sum@{c.bind[o]}", c.span, None, False, kind="grad")
                         acc = dst
                 bind["d" + o] = gname
+            produced = {od.name.id[1:] for od in bop.outs if od.name.id.startswith("d")}
+            for x in c.inputs + c.params:
+                if c.bind[x] in needs and x not in produced:
+                    self.fail("S019", f"`{bop.name}` produces no `d{x}`, the gradient of `{x}`, which "
+                              f"`{c.bind[x]}` needs to train what feeds it", c.span,
+                              labels=[Label(bop.name_span, f"add an output `d{x}` here")] if bop.name_span else [])
             need_outs = set()
             out_bind: dict[str, str] = {}
             for od in bop.outs:
@@ -752,6 +786,12 @@ class Resolver:
             self.expand_op(bop, env, c.attrs, bwd, op_id, f"{c.label.split('@')[-1]}.bwd",
                            f"{bop.name}@{c.label.split('@')[-1]}", c.span, need=need_outs)
             op_id += 1
+        for c in calls:
+            for pn in c.params:
+                if f"grad.{c.bind[pn]}" not in self.buffers:
+                    self.fail("S020", f"parameter `{c.bind[pn]}` gets no gradient: `{c.outs and c.bind[c.outs[0]]}` "
+                              f"does not reach the loss", c.span,
+                              help="use its result on the way to the loss, or remove the line")
         return bwd
 
     # ------------------------------------------------------------------ graphs
@@ -769,6 +809,8 @@ class Resolver:
                     for t in st.targets:
                         b = t.id + (f"[{SLOT}]" if slotted_graph else "")
                         if not self.has(b):
+                            if self.broken_models:
+                                raise _Abort()
                             self.fail("S007", f"`{t.id}` is not an input of the model", t.span)
                         hb = f"{t.id}@host" + (f"[{SLOT}]" if slotted_graph else "")
                         shp, dt = self.btype(b)
@@ -780,9 +822,8 @@ class Resolver:
                                                 f"{g.name.id}: copy {t.id}", t.span))
                     op_id += 1
                 elif isinstance(st, (A.ForwardStmt, A.BackwardStmt)):
-                    if st.model.id != model_name:
-                        self.fail("S013", f"unknown model `{st.model.id}`", st.model.span,
-                                  help=f"models: {', '.join(self.models) or 'none'}")
+                    self.model_ref(st.model, model_name)
+                    self.runs[type(st).__name__] = st.span
                     src = fwd if isinstance(st, A.ForwardStmt) else bwd
                     base = len(out)
                     derived = isinstance(st, A.BackwardStmt)
@@ -803,8 +844,11 @@ class Resolver:
                 elif isinstance(st, A.ClearStmt):
                     for buf in self.graph_call_targets(st.call, model_name):
                         op = self.ops["clear"]
+                        first = len(out)
                         self.expand_op(op, {"x": buf, "__attrs__": {}}, {}, out, op_id, f"clear.{buf}",
                                        f"{g.name.id}: clear@{buf}", st.span)
+                        for i in range(first, len(out)):
+                            out[i] = replace(out[i], label=f"{g.name.id}: clear {buf}")
                         op_id += 1
                 elif isinstance(st, A.UploadStmt):
                     stream = self.stream(st.stream, False) if st.stream else home
@@ -827,15 +871,31 @@ class Resolver:
         slotted = any(SLOT in n for t in out for n in t.args + t.outs)
         return GraphInfo(g.name.id, home, tuple(s.id for s in g.slots), tuple(out), slotted, g.span)
 
+    def model_ref(self, m: A.Name, model_name: str) -> None:
+        """A graph names the trained model; stay quiet when that model already failed (its own
+        diagnostics say why) instead of repeating the mistake as "unknown model"."""
+        if m.id == model_name:
+            return
+        if m.id in self.broken_models:
+            raise _Abort()
+        if m.id in self.models:
+            self.fail("S013", f"model `{m.id}` is not the one this file trains (`{model_name}`)", m.span,
+                      help="the `train` block's `model` says which model the graphs run")
+        self.fail("S013", f"unknown model `{m.id}`", m.span, help=f"models: {', '.join(self.models) or 'none'}")
+
     def graph_call_targets(self, call: A.Call, model_name: str) -> list[str]:
         if call.func.id != "grad" or len(call.args) != 1 or not isinstance(call.args[0], A.Var):
             self.fail("S015", "`clear` takes `grad(MODEL)`", call.span)
-        m = call.args[0].name
-        if m.id != model_name:
-            self.fail("S013", f"unknown model `{m.id}`", m.span, help=f"models: {', '.join(self.models) or 'none'}")
+        self.model_ref(call.args[0].name, model_name)
         return list(self.model_info.grads) if self.model_info else []
 
+    def host_value(self, name: A.Name) -> None:
+        if name.id not in KNOWN_HOST_VALUES:
+            self.fail("S007", f"unknown host value `{name.id}`", name.span,
+                      help="the training loop uploads `lr` (the scheduled learning rate) and `step` (the step count, from 1)")
+
     def upload(self, name: A.Name, stream: str, out, op_id, where: str) -> None:
+        self.host_value(name)
         hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots else "")
         for n in self.slotted(hb):
             self.add_buffer(n, (), "f32", "staging", name.span, space="host")
@@ -854,8 +914,9 @@ class Resolver:
             self.add_buffer(n, (), "f32", "scalar", v.span)
             return n
         if n in KNOWN_HOST_VALUES:
+            where = "to the step" if self.steps else "to a `step` block (the file has none yet)"
             self.fail("C002", f"host value `{n}` is read inside a captured graph, but never uploaded to the device",
-                      v.span, help=f"add `upload {n} on trans` to the step: step-varying values live in device buffers")
+                      v.span, help=f"add `upload {n} on trans` {where}: step-varying values live in device buffers")
         self.fail("S007", f"unknown buffer or value `{n}`", v.span)
         return n
 
@@ -868,9 +929,10 @@ class Resolver:
         args = list(st.call.args)
         per_param = bool(prm)
         if per_param:
+            self.runs.setdefault("optimizer", st.span)
+            if args and isinstance(args[0], A.Var):
+                self.model_ref(args[0].name, model_name)
             if not args or not isinstance(args[0], A.Var) or args[0].name.id != model_name:
-                if args and isinstance(args[0], A.Var) and args[0].name.id not in self.models:
-                    self.fail("S013", f"unknown model `{args[0].name.id}`", args[0].span)
                 self.fail("S015", f"`{op.name}` updates a model's parameters: its first argument is the model",
                           st.call.span)
             args = args[1:]
@@ -922,8 +984,10 @@ class Resolver:
         out = []
         for st in s.body:
             try:
-                after = tuple(self.after_ref(r, graphs) for r in st.clauses.after)
+                clauses = getattr(st, "clauses", None)
+                after = tuple(self.after_ref(r, graphs) for r in clauses.after) if clauses else ()
                 if isinstance(st, A.UploadStmt):
+                    self.host_value(st.name)
                     stream = self.stream(st.stream, False) if st.stream else self.fold("trans")
                     hb = f"{st.name.id}@host" + (f"[{SLOT}]" if self.slots else "")
                     for n in self.slotted(hb):
@@ -982,6 +1046,9 @@ class Resolver:
             if bg not in graphs:
                 self.fail("S008", f"unknown graph `{bg}`", b.span)
             if b.index is None:
+                if not graphs[bg].slots:
+                    self.fail("S009", f"graph `{bg}` has no slots to bind", b.span,
+                              help=f"a launch binds a slotted graph's slot, e.g. `{gname}(load[{slot_param or 'slot'}])`")
                 self.fail("S009", f"`{bg}` needs a slot here: `{bg}[{slot_param or 'slot'}]`", b.span)
             if not graphs[bg].slots:
                 self.fail("S009", f"graph `{bg}` has no slots", b.index.span)
@@ -1027,14 +1094,20 @@ class Resolver:
     def run(self, path: str, policy: str | None, capture: str | None) -> Program:
         self.collect()
         check_ops(self)
+        self.check_places()
         train_vals, train_spans = self.train_items()
         tv = dict(train_vals)
         # The trained model: the train block's `model`, else the only one.
         model_ast = None
         if "model" in tv:
-            if tv["model"] not in self.models:
+            if not isinstance(tv["model"], str):
+                self.err("S015", "`model` names a model: `model = NAME`", dict(train_spans).get("model"),
+                         help="model parameters are set in the model's header: `model mlp(hidden = 32)`")
+                self.broken_models |= set(self.models)
+            elif tv["model"] not in self.models:
                 self.err("S013", f"unknown model `{tv['model']}`", dict(train_spans).get("model"),
                          help=f"models: {', '.join(self.models) or 'none'}")
+                self.broken_models |= set(self.models) | {tv["model"]}
             else:
                 model_ast = self.models[tv["model"]]
         elif self.models:
@@ -1061,7 +1134,7 @@ class Resolver:
             try:
                 fwd, bwd, self.model_info = self.expand_model(model_ast, copies_inputs and bool(self.slots))
             except _Abort:
-                pass
+                self.broken_models.add(model_ast.name.id)
         # Check every op body where it is defined, used or not (LANGUAGE.md, "Barrier policies").
         graphs: dict[str, GraphInfo] = {}
         for i, g in enumerate(self.graphs_ast.values()):
@@ -1070,6 +1143,15 @@ class Resolver:
                                                       10000 * (i + 1))
             except _Abort:
                 continue
+        if self.model_info is not None:
+            m = self.model_info.name
+            if "optimizer" in self.runs and "BackwardStmt" not in self.runs:
+                self.err("S021", f"the optimizer updates `{m}`, but no graph runs `backward {m}`: "
+                         "its gradients are never computed", self.runs["optimizer"],
+                         help=f"add `backward {m}` after `forward {m}` in the graph that runs the model")
+            if "BackwardStmt" in self.runs and "ForwardStmt" not in self.runs:
+                self.err("S021", f"`backward {m}` runs, but no graph runs `forward {m}` first",
+                         self.runs["BackwardStmt"], help=f"write `forward {m}; backward {m}`")
         step = self.resolve_step(graphs)
         pol = policy or (tv.get("barriers") if isinstance(tv.get("barriers"), str) else None) or \
             (self.barriers.policy.id if self.barriers else "auto")
