@@ -8,9 +8,10 @@ import os
 from functools import lru_cache
 from importlib import resources
 
-from streamsched.diagnostics import Diagnostic, SourceCache, StreamschedError
+from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedError
 from streamsched.dsl import ast as A
 from streamsched.dsl.parse import parse
+from streamsched.interp.ir import Span
 
 STDLIB_PATH = "<stdlib>/ops.sched"
 
@@ -26,11 +27,25 @@ def stdlib_file() -> A.File:
     return parse(stdlib_text(), STDLIB_PATH)
 
 
+def _not_utf8(path: str, raw: bytes, exc: UnicodeDecodeError, inc_span, sources: SourceCache) -> Diagnostic:
+    """P005 at the first byte that is not UTF-8; the text is kept (undecodable bytes replaced)
+    so the diagnostic can show the line."""
+    sources.texts[path] = raw.decode("utf-8", errors="replace")
+    pos = exc.start
+    line = raw.count(b"\n", 0, pos) + 1
+    line_start = raw.rfind(b"\n", 0, pos) + 1
+    col = len(raw[line_start:pos].decode("utf-8", errors="replace")) + 1
+    labels = (Label(inc_span, "included here"),) if inc_span is not None else ()
+    return Diagnostic("P005", f"`{path}` is not UTF-8 text: byte 0x{raw[pos]:02x} at line {line}, column {col}",
+                      Span(path, line, col, line, col + 1), labels=labels,
+                      help="save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 FILE`)")
+
+
 def load_program_files(path: str, text: str | None, sources: SourceCache) -> tuple[list[A.File], list[Diagnostic]]:
     """Parse `path` (or the given `text` for it) and, depth first, every file it includes.
 
     Returns the files in include order (an included file before the rest of its includer) and
-    the diagnostics: P-family from parsing, S010 include not found, S011 recursive include.
+    the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found, S011 recursive include.
     Every text read is stored in `sources` so diagnostics can print it.
     """
     files: list[A.File] = []
@@ -46,13 +61,19 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
             return
         if txt is None:
             try:
-                with open(p, encoding="utf-8") as f:
-                    txt = f.read()
-            except (OSError, UnicodeDecodeError) as exc:
+                with open(p, "rb") as f:
+                    raw = f.read()
+            except OSError as exc:
                 if inc_span is None:
                     raise StreamschedError([Diagnostic("X002", f"cannot read `{p}`: {exc.strerror or exc}")]) from None
-                diags.append(Diagnostic("S010", f"included file `{p}` not found", inc_span,
+                why = "not found" if not os.path.exists(p) else f"cannot be read: {exc.strerror or exc}"
+                diags.append(Diagnostic("S010", f"included file `{p}` {why}", inc_span,
                                         help="include paths are relative to the including file"))
+                return
+            try:
+                txt = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is dropped
+            except UnicodeDecodeError as exc:
+                diags.append(_not_utf8(p, raw, exc, inc_span, sources))
                 return
         sources.texts[p] = txt
         try:
