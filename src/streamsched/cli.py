@@ -1,8 +1,9 @@
 """The `streamsched` command: check, lower, graph, run.
 
 Exit status: 0 clean, 1 on any user-facing error (always a diagnostic with a code, never a
-traceback), 2 on bad command-line usage (argparse).  An internal failure names the pass and asks
-for a bug report.
+traceback), bad command-line usage included (X004; argparse's own status would be 2).  An internal
+failure names the pass and asks for a bug report (3).  A reader that stops reading early
+(`streamsched lower F | head`) ends the command quietly with status 0.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import traceback
 from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
 
 
-def _print_diags(diags, sources: SourceCache, fmt: str, stream=sys.stderr) -> None:
+def _print_diags(diags, sources: SourceCache, fmt: str, stream=None) -> None:
     if not diags:
         return
-    print(render_all(diags, sources, fmt), file=sys.stdout if fmt == "json" else stream)
+    print(render_all(diags, sources, fmt), file=sys.stdout if fmt == "json" else stream or sys.stderr)
 
 
 def _compile(args, sources: SourceCache, path: str):
@@ -38,7 +39,7 @@ def cmd_check(args) -> int:
             all_diags.extend(e.diagnostics)
     errors = [d for d in all_diags if d.severity == "error"]
     if args.format == "json":
-        _print_diags(all_diags, sources, "json")
+        print(render_all(all_diags, sources, "json"))  # `[]` when clean: always valid JSON
     else:
         _print_diags(all_diags, sources, "text")
         if not errors:
@@ -58,8 +59,14 @@ def cmd_lower(args) -> int:
     if c.plan is not None:
         text = format_plan(c.plan, sources)
         if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            try:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                _print_diags([Diagnostic("X021", f"cannot write `{args.output}`: {exc.strerror or exc}",
+                                         help="name a file in an existing folder you can write to")],
+                             sources, "text")
+                return 1
         else:
             print(text)
     _print_diags(c.diagnostics, sources, "text")
@@ -111,6 +118,7 @@ def cmd_run(args) -> int:
         if not c.ok:
             _print_diags(c.diagnostics, sources, "text")
             return 1
+        _print_diags([d for d in c.diagnostics if d.severity == "warning"], sources, "text")
         opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
                             save=args.save, resume=args.resume, max_steps=args.steps,
@@ -129,6 +137,12 @@ def cmd_run(args) -> int:
         _print_diags([r], sources, "text")
     last = res.history[-1] if res.history else {}
     acc = last.get("test_acc")
+    if res.steps == 0:  # no timing or loss to speak of
+        msg = f"no steps run ({res.note or 'nothing to do'})"
+        if acc is not None:
+            msg += f"; last recorded: epoch {last.get('epoch', -1) + 1}, test accuracy {100 * acc:.2f}%"
+        print(msg)
+        return 1 if res.races else 0
     us = 1e6 * res.wall_s / max(res.steps, 1)
     msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included); "
            f"epoch {last.get('epoch', -1) + 1}: train loss {last.get('train_loss', float('nan')):.4f}")
@@ -156,13 +170,27 @@ def cmd_trace(args) -> int:
         return 1
     from streamsched.interp.cuda.trace import trace
 
-    trace(c, args.output, png=args.png, steps=args.steps)
+    try:
+        trace(c, args.output, png=args.png, steps=args.steps)
+    except OSError as exc:
+        print(f"error[X021]: cannot write `{args.output}`: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}" + (f" and {args.png}" if args.png else ""), file=sys.stderr)
     return 0
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's rule for user mistakes: a bad command line (unknown option,
+    missing argument, `--epochs five`) prints the usage and an X004 diagnostic and exits 1, not
+    argparse's 2.  Subcommand parsers inherit it (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):  # noqa: D102 (argparse's hook)
+        self.print_usage(sys.stderr)
+        self.exit(1, f"error[X004]: {message}\n  = help: `{self.prog} --help` lists the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
+    p = ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pol = dict(choices=["auto", "chain", "explicit"], default=None, help="barrier policy (overrides the file)")
     cap = dict(choices=["none", "graphs", "step"], default=None, help="capture mode (overrides the file)")
@@ -218,10 +246,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so that the interpreter's last flush at exit
+    does not fail a second time (the recipe of Python's `signal` documentation)."""
     try:
-        return args.fn(args)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured in tests)
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        rc = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # The reader stopped reading (`streamsched lower F | head -3`, `check --format json | head`):
+        # it got what it asked for, and the rest is not wanted.  Exit quietly with status 0, as
+        # a reader-side choice is not a failure of the command: no traceback, no message, and a
+        # `set -o pipefail` pipeline does not fail because head stopped early (SIGPIPE's 141
+        # would).  The status of the command itself is then unknown, so CI should not pipe it.
+        _quiet_stdout()
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -16,6 +16,7 @@ Errors: X007 missing or unreadable checkpoint, X008 checkpoint does not match th
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
+from streamsched.interp.data import archive_kind, own_words
 from streamsched.interp.ir import Span
 
 FORMAT_VERSION = 1
@@ -50,7 +52,8 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
     dict (ints, floats, strings, lists, dicts; tuples come back as lists).  Writes a temporary
     file in path's folder, flushes and fsyncs it, `os.replace`s it over path, then fsyncs the
     folder so the rename itself is durable.  On any failure the temporary file is removed and the
-    previous checkpoint at path is untouched.  Raises ValueError for a reserved or non-string
+    previous checkpoint at path is untouched.  Raises OSError when path is a folder or its
+    folder cannot be written (the caller turns it into a diagnostic), ValueError for a reserved or non-string
     key, an object array, or meta that JSON cannot hold (programming errors, not user mistakes).
     """
     path = os.fspath(path)
@@ -69,6 +72,8 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
         raise ValueError(f"checkpoint: meta is not plain JSON: {e}") from None
     clean[META_KEY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+    if os.path.isdir(path):  # else the temporary file would land in the folder above it
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a checkpoint file", path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -112,6 +117,10 @@ def load_checkpoint(path: str | os.PathLike, span: Span | None = None) -> tuple[
     if not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         raise _err("X007", f"checkpoint `{path}` {what}", span, help=help_)
+    kind = archive_kind(path)
+    if kind != "npz":
+        what = "it holds a single .npy array" if kind == "npy" else kind
+        raise _err("X007", f"checkpoint `{path}` is not an .npz archive ({what})", span, help=help_)
     try:
         z = np.load(path, allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):
@@ -122,7 +131,8 @@ def load_checkpoint(path: str | os.PathLike, span: Span | None = None) -> tuple[
             arrays = {k: z[k] for k in z.files if k != META_KEY}
             meta = json.loads(z[META_KEY].tobytes().decode("utf-8"))
     except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as e:
-        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: {e}", span, help=help_) from None
+        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: {own_words(e)}", span,
+                   help=help_) from None
     if not isinstance(meta, dict):
         raise _err("X007", f"checkpoint `{path}` is corrupt: its metadata is not a JSON object", span, help=help_)
     fmt = meta.get("format")

@@ -270,6 +270,37 @@ def _load_idx_dir(directory: str, span: Span | None) -> Dataset:
     return _make_dataset(a["x_train"], a["y_train"], a["x_test"], a["y_test"], f"idx({directory})", span, "idx")
 
 
+def archive_kind(path: str) -> str:
+    """What a file's first bytes say it is: "npz" (a zip archive, as np.savez writes), "npy"
+    (one array, np.save), or a short description of anything else ("an empty file", "text",
+    "some other binary file").  Read errors are left to the caller's np.load."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return "npz"  # let np.load report it
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "npz"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if not head:
+        return "it is empty"
+    try:
+        head.decode("utf-8")
+        return "it holds text"
+    except UnicodeDecodeError:
+        return "it is some other binary file"
+
+
+def own_words(e: BaseException) -> str:
+    """An exception from np.load in our words: numpy's advice to load a file unsafely
+    (`allow_pickle=`) is never the fix here, since streamsched never unpickles."""
+    msg = str(e)
+    if "pickle" in msg.lower():
+        return "it holds pickled (object) data, which streamsched never loads"
+    return msg or type(e).__name__
+
+
 def _load_npz(path: str, span: Span | None) -> Dataset:
     if not os.path.isfile(path):
         what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
@@ -277,11 +308,15 @@ def _load_npz(path: str, span: Span | None) -> Dataset:
                    help="relative paths are resolved against the .sched file's folder")
     keys = ("x_train", "y_train", "x_test", "y_test")
     bad_file = "the file must be written by np.savez or np.savez_compressed"
+    kind = archive_kind(path)
+    if kind not in ("npz", "npy"):
+        # np.load would take it for a pickle and suggest allow_pickle; streamsched never unpickles.
+        raise _err("X003", f"npz: `{path}` is not an .npz archive ({kind})", span, help=bad_file)
     try:
         z = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        # A file that is neither .npz nor .npy ends up in np.load's pickle branch, refused here.
-        raise _err("X003", f"npz: `{path}` is not an .npz archive ({e})", span, help=bad_file) from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise _err("X003", f"npz: `{path}` is not a readable .npz archive ({own_words(e)})", span,
+                   help=bad_file) from None
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise _err("X003", f"npz: `{path}` holds a single array, not an .npz archive", span,
                    help="save with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
@@ -300,7 +335,8 @@ def _load_npz(path: str, span: Span | None) -> Dataset:
                     raise _err("X003", f"npz: `{k}` in `{path}` is an object (pickled) array; "
                                "streamsched never unpickles data", span,
                                help="store plain numeric arrays: x as float, y as integer class indices") from None
-                raise _err("X003", f"npz: cannot read `{k}` from `{path}`: {e}", span, help=bad_file) from None
+                raise _err("X003", f"npz: cannot read `{k}` from `{path}`: {own_words(e)}", span,
+                           help=bad_file) from None
             except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
                 raise _err("X003", f"npz: cannot read `{k}` from `{path}`: {e}", span, help=bad_file) from None
     for k in ("x_train", "x_test"):
@@ -330,6 +366,10 @@ def _make_dataset(x_tr, y_tr, x_te, y_te, name: str, span: Span | None, what: st
         ys[key] = y.astype(np.int32)
     if len(x_tr) == 0:
         raise _err("X003", f"{what}: the training set is empty", span)
+    if len(x_te) == 0:
+        raise _err("X003", f"{what}: no test samples (the test split is empty)", span,
+                   help="every run is evaluated on the test split each epoch; give x_test and y_test at "
+                        "least one sample")
     num_classes = int(max(ys["train"].max(), ys["test"].max() if len(ys["test"]) else 0)) + 1
     arrays = [np.ascontiguousarray(a) for a in (x_tr, ys["train"], x_te, ys["test"])]
     for arr in arrays:

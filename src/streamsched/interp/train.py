@@ -67,6 +67,8 @@ class TrainResult:
     steps: int = 0
     wall_s: float = 0.0
     races: list[Diagnostic] = field(default_factory=list)
+    note: str = ""
+    """Why no step ran, when none did (`--steps 0`, a checkpoint that already holds every epoch)."""
 
     @property
     def final_accuracy(self) -> float:
@@ -238,6 +240,53 @@ def _input_names(program) -> tuple[str, str]:
     return feat, lab
 
 
+def _whole_number(value: Any, name: str, span, *, minimum: int, flag: str | None) -> int:
+    """A setting that must be a whole number >= minimum: `flag` names the command-line option it
+    came from (then there is no span), else it came from the train block's `name = ...` line.
+    A float is refused rather than truncated."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= minimum
+    if ok:
+        return int(value)
+    what = flag or f"`{name}`"
+    shown = f'"{value}"' if isinstance(value, str) else repr(value)
+    kind = "at least 1" if minimum == 1 else "zero or more" if minimum == 0 else f"at least {minimum}"
+    example = {"epochs": "10", "seed": "0", "steps": "100"}.get(name, "1")
+    raise _x("X004", f"{what} must be a whole number, {kind}; got {shown}", None if flag else span,
+             help=f"write e.g. `{flag + ' ' if flag else name + ' = '}{example}`")
+
+
+def _check_output(path: Any, noun: str, flag: str | None, span, program_path: str | None, *, append: bool) -> str:
+    """Refuse, before any training, an output file that cannot be written: a folder, a file in a
+    folder that does not exist or cannot be written, or the program's own .sched file.
+    noun: "the checkpoint", "the log"; flag: the command-line option it came from, None for the
+    train block (then span is its line); append: the file is appended to (a log), else replaced
+    atomically (a checkpoint).  Returns the path."""
+    if not isinstance(path, str) or not path:
+        raise _x("X004", f"{flag or '`log`'} needs a file name, got {path!r}", span,
+                 help=f"e.g. `{flag} run.out`" if flag else 'write e.g. `log = "run.jsonl"`')
+    full = os.path.abspath(os.path.expanduser(path))
+    parent = os.path.dirname(full)
+    origin = f" ({flag})" if flag else ""
+
+    def fail(why: str, help: str) -> StreamschedError:
+        return _x("X021", f"cannot write {noun} `{path}`{origin}: {why}", span, help=help)
+
+    if os.path.isdir(full):
+        raise fail("it is a folder", f"name a file in it, e.g. `{os.path.join(path, 'run.jsonl' if append else 'run.npz')}`")
+    if not os.path.isdir(parent):
+        why = f"the folder `{parent}` does not exist" if not os.path.exists(parent) else f"`{parent}` is not a folder"
+        raise fail(why, "create the folder first, or name a file in an existing folder")
+    exists = os.path.exists(full)
+    if append and exists:  # a log grows in place
+        if not os.access(full, os.W_OK):
+            raise fail("the file is not writable", "name another file, or make it writable")
+    elif not os.access(parent, os.W_OK | os.X_OK):  # a new file, or a checkpoint replaced via a temporary
+        raise fail(f"the folder `{parent}` is not writable", "name a file in a folder you can write to")
+    if exists and program_path and os.path.exists(program_path) and os.path.samefile(full, program_path):
+        raise fail("it is the program being run", "name another file; the .sched file is never overwritten")
+    return path
+
+
 def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str = ".",
           echo: Callable[[str], None] | None = None) -> TrainResult:
     """Run the training loop of a compiled program; returns the history and final parameters.
@@ -267,7 +316,31 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                  help=f"launch a graph that calls an optimizer, e.g. `sgd({m.name}, lr, momentum = 0.9)`")
     tv = dict(program.train)
     spans = dict(program.train_spans)
-    seed = opts.seed if opts.seed is not None else int(tv.get("seed", 0))
+    # Settings first, every output second, the data last: a mistake stops the run before any work.
+    if opts.seed is not None:
+        seed = _whole_number(opts.seed, "seed", None, minimum=0, flag="--seed")
+    else:
+        seed = _whole_number(tv.get("seed", 0), "seed", spans.get("seed"), minimum=0, flag=None)
+    if opts.epochs is not None:
+        epochs = _whole_number(opts.epochs, "epochs", None, minimum=1, flag="--epochs")
+    else:
+        epochs = _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None)
+    if opts.max_steps is not None:
+        _whole_number(opts.max_steps, "steps", None, minimum=0, flag="--steps")
+    _whole_number(opts.interleave_seed, "seed", None, minimum=0, flag="--interleave-seed")
+    if opts.lr is not None and (isinstance(opts.lr, bool) or not isinstance(opts.lr, (int, float))
+                                or not math.isfinite(opts.lr) or opts.lr < 0):
+        raise _x("X004", f"--lr must be a non-negative number, got {opts.lr!r}", help="e.g. `--lr 0.05`")
+    save = _check_output(opts.save, "the checkpoint", "--save", None, program.path, append=False) if opts.save else None
+    if opts.log:
+        log = _check_output(opts.log, "the log", "--log", None, program.path, append=True)
+    elif tv.get("log") is not None:  # the train block's `log = "run.jsonl"`, relative to the .sched file
+        log_v = tv["log"]
+        if isinstance(log_v, str) and log_v:
+            log_v = os.path.join(base_dir, os.path.expanduser(log_v))
+        log = _check_output(log_v, "the log", None, spans.get("log"), program.path, append=True)
+    else:
+        log = None
     dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
     ds = load_dataset(dname, dargs, dkw, base_dir=base_dir, span=spans.get("data"))
     feat, lab = _input_names(program)
@@ -277,9 +350,6 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     ds = _fit_samples(ds, in_shape)
     check_compatible(ds, in_shape, lab_dtype, classes, spans.get("data"))
     batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"))
-    epochs = opts.epochs if opts.epochs is not None else int(tv.get("epochs", 10))
-    if epochs < 1:
-        raise _x("X004", f"epochs must be at least 1, got {epochs}", spans.get("epochs"))
     spe = batches.steps_per_epoch
     total = epochs * spe
     if opts.lr is not None:
@@ -303,6 +373,11 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
         start_epoch = int(meta["epoch"]) + 1
         result.history = list(meta.get("history", []))
         echo(f"resumed from {opts.resume} after epoch {start_epoch}")
+        if start_epoch >= epochs:
+            result.note = (f"the checkpoint `{opts.resume}` already holds all {epochs} epoch"
+                           f"{'s' if epochs != 1 else ''}; give a larger --epochs to train further")
+    if opts.max_steps == 0 and not result.note:
+        result.note = "--steps 0"
     saved = [n for n, _ in program.inits]
 
     # host work: batches into staging slots, scalars into pinned buffers
@@ -328,25 +403,33 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
 
     plan = compiled.plan
     steps_run = 0
+    try:
+        log_f = open(log, "a", encoding="utf-8") if log else None
+    except OSError as exc:
+        raise _x("X021", f"cannot write the log `{log}`: {exc.strerror or exc}", None if opts.log else spans.get("log"),
+                 help="name a file in a folder you can write to") from None
     t0 = time.perf_counter()
     bar = None
     if opts.progress:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=(epochs - start_epoch) * spe, unit="step", leave=False, file=sys.stderr,
+            bar = tqdm(total=max(0, epochs - start_epoch) * spe, unit="step", leave=False, file=sys.stderr,
                        disable=None)
         except ImportError:  # pragma: no cover
             bar = None
     first = start_epoch * spe
     cur["k"] = first - 1
     segs = compiled.segments or plan_segments(plan)
-    runner.run(segs.for_step(-1), host_fn)
-    log_f = open(opts.log, "a", encoding="utf-8") if opts.log else None
+    lr_span = None if opts.lr is not None else spans.get("lr")
+    lr_what = f" with --lr {opts.lr:g}" if opts.lr is not None else ""
+    # Overflow and NaN in the kernels are caught as X010 below, by the loss: no NumPy warnings.
+    old_err = np.seterr(over="ignore", invalid="ignore", divide="ignore")
     try:
+        runner.run(segs.for_step(-1), host_fn)
         for e in range(start_epoch, epochs):
-            if opts.max_steps is not None and steps_run >= opts.max_steps and e > start_epoch:
-                break
+            if opts.max_steps is not None and steps_run >= opts.max_steps:
+                break  # (before any work: `--steps 0` runs, records and saves nothing)
             losses = []
             for i in range(spe):
                 if opts.max_steps is not None and steps_run >= opts.max_steps:
@@ -358,9 +441,9 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                 losses.append(loss)
                 steps_run += 1
                 if not math.isfinite(loss):
-                    where = f" (last good checkpoint: {opts.save})" if opts.save and os.path.exists(opts.save) else ""
-                    raise _x("X010", f"the loss became {loss} at step {k} (epoch {e}); stopping{where}",
-                             spans.get("lr"), help="lower the learning rate, or check the data for NaN")
+                    where = f" (last good checkpoint: {save})" if save and os.path.exists(save) else ""
+                    raise _x("X010", f"the loss became {loss} at step {k} (epoch {e}){lr_what}; "
+                             f"stopping{where}", lr_span, help="lower the learning rate, or check the data for NaN")
                 if bar is not None:
                     bar.update(1)
                     if i % 5 == 0:
@@ -374,16 +457,26 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                 rec.update(test_loss=tl, test_acc=acc)
             result.history.append(rec)
             if log_f:
-                log_f.write(json.dumps(rec) + "\n")
-                log_f.flush()
+                try:
+                    log_f.write(json.dumps(rec) + "\n")
+                    log_f.flush()
+                except OSError as exc:
+                    raise _x("X021", f"cannot write the log `{log}`: {exc.strerror or exc}",
+                             help="the lines written before are kept; free space or name another file") from None
             if bar is not None and "test_acc" in rec:
                 bar.set_postfix(epoch=e, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
-            if opts.save:
+            if save:
                 arrays = {n: runner.read(n) for n in saved}
-                save_checkpoint(opts.save, arrays, {**expected_meta, "epoch": e, "history": result.history})
+                try:
+                    save_checkpoint(save, arrays, {**expected_meta, "epoch": e, "history": result.history})
+                except OSError as exc:
+                    raise _x("X021", f"cannot write the checkpoint `{save}` after epoch {e}: {exc.strerror or exc}",
+                             help="the previous checkpoint, if any, is untouched; free space or name another "
+                                  "file with --save") from None
             if opts.max_steps is not None and steps_run >= opts.max_steps:
                 break
     finally:
+        np.seterr(**old_err)
         if bar is not None:
             bar.close()
         if log_f:

@@ -671,6 +671,925 @@ def _host_only(name: str) -> Callable:
     return fn
 
 
+# -- CNN-step kernels (stdlib/kernels_cnn.py): raw kernels, simple and deterministic -------------
+#
+# Every kernel here is a RawModule kernel compiled per dtype combination (typedefs X_t: the
+# activation dtype, P_t: batch-norm parameters, A_t: the compute dtype, at least f32 as in the
+# NumPy twins, ...), with FMA contraction off (--fmad=false) so that elementwise formulas round
+# like NumPy's.  Sums are fixed-order: a thread adds its indices t, t + 256, ... in double, then
+# a fixed shared-memory tree (`ss_block_sum`); no atomics, no scratch, nothing allocated.
+# Convolutions and pools are direct gather kernels (one thread, or one block, per output
+# element): the backward passes never scatter, so there is nothing to accumulate atomically.
+
+_CNN_PRE = r"""
+#define SS_B 256
+__device__ __forceinline__ double ss_wide(float v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(double v) { return v; }
+__device__ __forceinline__ double ss_wide(unsigned char v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(int v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(long long v) { return (double)v; }
+__device__ __forceinline__ void ss_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void ss_put(float* p, double v) { *p = (float)v; }
+__device__ __forceinline__ void ss_put(double* p, float v) { *p = (double)v; }
+__device__ __forceinline__ void ss_put(double* p, double v) { *p = v; }
+__device__ __forceinline__ void ss_put(unsigned char* p, double v) { *p = (unsigned char)v; }
+__device__ __forceinline__ void ss_put(int* p, double v) { *p = (int)v; }
+__device__ __forceinline__ void ss_put(long long* p, double v) { *p = (long long)v; }
+#ifdef SS_HALF
+__device__ __forceinline__ double ss_wide(__half v) { return (double)__half2float(v); }
+__device__ __forceinline__ void ss_put(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void ss_put(__half* p, double v) { *p = __double2half(v); }
+#endif
+#define SS_LD(v) ((A_t)ss_wide(v))
+__device__ __forceinline__ float ss_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double ss_sqrt(double v) { return sqrt(v); }
+__device__ __forceinline__ bool ss_finite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ bool ss_finite(double v) {
+    return (__double_as_longlong(v) & 0x7ff0000000000000LL) != 0x7ff0000000000000LL;
+}
+__device__ __forceinline__ bool ss_isnan(float v) { return v != v; }
+__device__ __forceinline__ bool ss_isnan(double v) { return v != v; }
+__device__ __forceinline__ unsigned long long ss_u64(int v) { return (unsigned long long)(long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(long long v) { return (unsigned long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(float v) { return (unsigned long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(double v) { return (unsigned long long)v; }
+
+// The sum of every thread's v over a block of exactly SS_B threads, by a fixed tree; every
+// thread gets it.  Ends with a barrier, so sh may be reused at once.
+__device__ __forceinline__ double ss_block_sum(double v, double* sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = SS_B >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads();
+    return r;
+}
+#define SS_LOOP(i, total) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (total); \
+         i += (long long)gridDim.x * blockDim.x)
+"""
+
+_CNN_SRC: dict[str, str] = {}
+
+# x [n, h, w, c] NHWC, w [kh, kw, c, k] HWIO, y [n, oh, ow, k]; products summed in double in the
+# order (di, dj, ci).
+_CNN_SRC["conv"] = r"""
+extern "C" __global__ void ss_conv2d(const X_t* x, const X_t* w, X_t* y, int n, int h, int wd,
+                                     int c, int kh, int kw, int k, int oh, int ow, int s, int p) {
+    long long total = (long long)n * oh * ow * k;
+    SS_LOOP(t, total) {
+        int o = (int)(t % k);
+        long long r = t / k;
+        int j = (int)(r % ow); r /= ow;
+        int i = (int)(r % oh);
+        long long b = r / oh;
+        double acc = 0.0;
+        for (int di = 0; di < kh; ++di) {
+            int hr = i * s + di - p;
+            if (hr < 0 || hr >= h) continue;
+            for (int dj = 0; dj < kw; ++dj) {
+                int wq = j * s + dj - p;
+                if (wq < 0 || wq >= wd) continue;
+                const X_t* xp = x + ((b * h + hr) * wd + wq) * c;
+                const X_t* wp = w + (long long)(di * kw + dj) * c * k + o;
+                for (int ci = 0; ci < c; ++ci) acc += ss_wide(xp[ci]) * ss_wide(wp[(long long)ci * k]);
+            }
+        }
+        ss_put(y + t, acc);
+    }
+}
+
+// dx[b, r, q, ci] = sum over (di, dj, o), in that order, of dy[b, i, j, o] w[di, dj, ci, o] for
+// the outputs (i, j) whose window puts (di, dj) on (r, q): i*s + di = r + p.  Gather, no atomics.
+extern "C" __global__ void ss_conv2d_grad_x(const X_t* dy, const X_t* w, X_t* dx, int n, int h,
+                                            int wd, int c, int kh, int kw, int k, int oh, int ow,
+                                            int s, int p) {
+    long long total = (long long)n * h * wd * c;
+    SS_LOOP(t, total) {
+        int ci = (int)(t % c);
+        long long r = t / c;
+        int q = (int)(r % wd); r /= wd;
+        int hr = (int)(r % h);
+        long long b = r / h;
+        double acc = 0.0;
+        for (int di = 0; di < kh; ++di) {
+            int ti = hr + p - di;
+            if (ti < 0 || ti % s != 0) continue;
+            int i = ti / s;
+            if (i >= oh) continue;
+            for (int dj = 0; dj < kw; ++dj) {
+                int tj = q + p - dj;
+                if (tj < 0 || tj % s != 0) continue;
+                int j = tj / s;
+                if (j >= ow) continue;
+                const X_t* dp = dy + ((b * oh + i) * ow + j) * k;
+                const X_t* wp = w + ((long long)(di * kw + dj) * c + ci) * k;
+                for (int o = 0; o < k; ++o) acc += ss_wide(dp[o]) * ss_wide(wp[o]);
+            }
+        }
+        ss_put(dx + t, acc);
+    }
+}
+
+// One block of SS_B threads per dw[di, dj, ci, o]: thread t adds the (b, i, j) positions
+// e = t, t + SS_B, ... (row-major) in double, then the fixed tree.
+extern "C" __global__ void ss_conv2d_grad_w(const X_t* x, const X_t* dy, X_t* dw, int n, int h,
+                                            int wd, int c, int kh, int kw, int k, int oh, int ow,
+                                            int s, int p) {
+    __shared__ double sh[SS_B];
+    long long e0 = blockIdx.x;
+    int o = (int)(e0 % k);
+    long long r0 = e0 / k;
+    int ci = (int)(r0 % c); r0 /= c;
+    int dj = (int)(r0 % kw);
+    int di = (int)(r0 / kw);
+    long long m = (long long)n * oh * ow;
+    double acc = 0.0;
+    for (long long e = threadIdx.x; e < m; e += SS_B) {
+        int j = (int)(e % ow);
+        long long r = e / ow;
+        int i = (int)(r % oh);
+        long long b = r / oh;
+        int hr = i * s + di - p, wq = j * s + dj - p;
+        if (hr < 0 || hr >= h || wq < 0 || wq >= wd) continue;
+        acc += ss_wide(x[((b * h + hr) * wd + wq) * c + ci]) * ss_wide(dy[e * k + o]);
+    }
+    acc = ss_block_sum(acc, sh);
+    if (threadIdx.x == 0) ss_put(dw + e0, acc);
+}
+
+// db[ch] = sum over the m rows of dy [m, c]: one block per channel.
+extern "C" __global__ void ss_sum_nhw(const X_t* dy, X_t* db, long long m, int c) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x;
+    double acc = 0.0;
+    for (long long r = threadIdx.x; r < m; r += SS_B) acc += ss_wide(dy[r * c + ch]);
+    acc = ss_block_sum(acc, sh);
+    if (threadIdx.x == 0) ss_put(db + ch, acc);
+}
+"""
+
+# Pools: x [n, h, w, c], y / dy [n, oh, ow, c], no padding.  The maximum follows kernels_cnn's
+# rule: the first strictly greater entry in row-major window order wins, the first NaN wins.
+_CNN_SRC["pool"] = r"""
+__device__ __forceinline__ int ss_argmax(const X_t* base, int wd, int c, int size, A_t* out) {
+    A_t m = SS_LD(base[0]);
+    int a = 0;
+    for (int q = 1; q < size * size; ++q) {
+        if (ss_isnan(m)) break;
+        int di = q / size, dj = q % size;
+        A_t v = SS_LD(base[((long long)di * wd + dj) * c]);
+        if (v > m || ss_isnan(v)) { m = v; a = q; }
+    }
+    *out = m;
+    return a;
+}
+
+extern "C" __global__ void ss_maxpool2d(const X_t* x, X_t* y, int n, int h, int wd, int c,
+                                        int oh, int ow, int size, int s) {
+    long long total = (long long)n * oh * ow * c;
+    SS_LOOP(t, total) {
+        int ch = (int)(t % c);
+        long long r = t / c;
+        int j = (int)(r % ow); r /= ow;
+        int i = (int)(r % oh);
+        long long b = r / oh;
+        A_t m;
+        ss_argmax(x + ((b * h + (long long)i * s) * wd + (long long)j * s) * c + ch, wd, c, size, &m);
+        ss_put(y + t, m);
+    }
+}
+
+extern "C" __global__ void ss_avgpool2d(const X_t* x, X_t* y, int n, int h, int wd, int c,
+                                        int oh, int ow, int size, int s) {
+    long long total = (long long)n * oh * ow * c;
+    SS_LOOP(t, total) {
+        int ch = (int)(t % c);
+        long long r = t / c;
+        int j = (int)(r % ow); r /= ow;
+        int i = (int)(r % oh);
+        long long b = r / oh;
+        const X_t* base = x + ((b * h + (long long)i * s) * wd + (long long)j * s) * c + ch;
+        A_t acc = (A_t)0;
+        for (int di = 0; di < size; ++di)
+            for (int dj = 0; dj < size; ++dj) acc += SS_LD(base[((long long)di * wd + dj) * c]);
+        ss_put(y + t, acc / (A_t)(size * size));
+    }
+}
+
+// dx[b, r, q, ch]: the windows (i, j) covering (r, q), visited in the NumPy twin's order of window
+// offsets (di, then dj), adding dy (max: only where (di, dj) is the window's argmax) or
+// dy / size^2 (avg) to an accumulator starting at 0.  kind 0: max, 1: avg.
+extern "C" __global__ void ss_pool2d_grad(const X_t* dy, const X_t* x, X_t* dx, int n, int h,
+                                          int wd, int c, int oh, int ow, int size, int s,
+                                          int kind) {
+    long long total = (long long)n * h * wd * c;
+    A_t area = (A_t)(size * size);
+    SS_LOOP(t, total) {
+        int ch = (int)(t % c);
+        long long r = t / c;
+        int q = (int)(r % wd); r /= wd;
+        int hr = (int)(r % h);
+        long long b = r / h;
+        A_t acc = (A_t)0;
+        for (int di = 0; di < size; ++di) {
+            int ti = hr - di;
+            if (ti < 0 || ti % s != 0) continue;
+            int i = ti / s;
+            if (i >= oh) continue;
+            for (int dj = 0; dj < size; ++dj) {
+                int tj = q - dj;
+                if (tj < 0 || tj % s != 0) continue;
+                int j = tj / s;
+                if (j >= ow) continue;
+                A_t g = SS_LD(dy[((b * oh + i) * ow + j) * c + ch]);
+                if (kind == 0) {
+                    A_t m;
+                    int a = ss_argmax(x + ((b * h + (long long)i * s) * wd + (long long)j * s) * c + ch,
+                                      wd, c, size, &m);
+                    if (a == di * size + dj) acc += g;
+                } else {
+                    acc += g / area;
+                }
+            }
+        }
+        ss_put(dx + t, acc);
+    }
+}
+
+// y[b, ch] = mean over hw = h*w positions of x [n, hw, c], summed in double.
+extern "C" __global__ void ss_global_avgpool(const X_t* x, X_t* y, int n, long long hw, int c) {
+    long long total = (long long)n * c;
+    SS_LOOP(t, total) {
+        int ch = (int)(t % c);
+        long long b = t / c;
+        const X_t* base = x + b * hw * c + ch;
+        double acc = 0.0;
+        for (long long e = 0; e < hw; ++e) acc += ss_wide(base[e * c]);
+        ss_put(y + t, acc / (double)hw);
+    }
+}
+
+extern "C" __global__ void ss_global_avgpool_grad(const X_t* dy, X_t* dx, int n, long long hw,
+                                                  int c) {
+    long long total = (long long)n * hw * c;
+    A_t area = (A_t)hw;
+    SS_LOOP(t, total) {
+        int ch = (int)(t % c);
+        long long b = t / (hw * c);
+        ss_put(dx + t, SS_LD(dy[b * c + ch]) / area);
+    }
+}
+"""
+
+# Batch norm over x [m, c] (channels last): one block of SS_B threads per channel.  Parameters
+# are read before the first barrier and the [c] outputs written by thread 0 after it; every
+# element of x/dy is read and then written (y, dx) by the same thread: in place is safe.
+_CNN_SRC["bn"] = r"""
+extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y,
+                                       P_t* mean, P_t* invstd, long long m, int c, double eps) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
+    double s1 = 0.0;
+    for (long long r = t; r < m; r += SS_B) s1 += ss_wide(x[r * c + ch]);
+    s1 = ss_block_sum(s1, sh);
+    A_t mu = (A_t)(s1 / (double)m);
+    double s2 = 0.0;
+    for (long long r = t; r < m; r += SS_B) {
+        A_t d = SS_LD(x[r * c + ch]) - mu;
+        s2 += (double)(d * d);
+    }
+    s2 = ss_block_sum(s2, sh);
+    A_t var = (A_t)(s2 / (double)m);
+    A_t inv = (A_t)1 / ss_sqrt(var + (A_t)eps);
+    if (t == 0) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(x[i]) - mu;
+        ss_put(y + i, d * inv * g + bt);
+    }
+}
+
+extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* gamma,
+                                      const P_t* mean, const P_t* invstd, X_t* dx, P_t* dgamma,
+                                      P_t* dbeta, long long m, int c) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), mu = SS_LD(mean[ch]), inv = SS_LD(invstd[ch]);
+    double sb = 0.0, sg = 0.0;
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(dy[i]);
+        A_t xh = (SS_LD(x[i]) - mu) * inv;
+        sb += (double)d;
+        sg += (double)(d * xh);
+    }
+    sb = ss_block_sum(sb, sh);
+    sg = ss_block_sum(sg, sh);
+    A_t db = (A_t)sb, dg = (A_t)sg;
+    if (t == 0) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
+    A_t am = (A_t)m;
+    A_t k1 = db / am, k2 = dg / am, sc = inv * g;
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(dy[i]);
+        A_t xh = (SS_LD(x[i]) - mu) * inv;
+        ss_put(dx + i, (d - k1 - xh * k2) * sc);
+    }
+}
+"""
+
+# Running statistics, one thread per channel, rounded like the NumPy twin: the mean update in
+# A_t, the variance recovered from invstd in double, (1 - momentum) * running_var in A_t plus
+# momentum * unbiased var in double.
+_CNN_SRC["bnstat"] = r"""
+extern "C" __global__ void ss_bn_stats(const P_t* rm, const P_t* rv, const P_t* mean,
+                                       const P_t* invstd, P_t* rm_out, P_t* rv_out, int c,
+                                       double om, double mom, double eps, double ratio) {
+    SS_LOOP(i, (long long)c) {
+        double a = ss_wide(invstd[i]);
+        double var = 1.0 / (a * a) - eps;
+        if (var < 0.0) var = 0.0;
+        double unb = var * ratio;
+        A_t aom = (A_t)om, amom = (A_t)mom;
+        A_t nm = aom * SS_LD(rm[i]) + amom * SS_LD(mean[i]);
+        double nv = (double)(aom * SS_LD(rv[i])) + mom * unb;
+        ss_put(rm_out + i, nm);
+        ss_put(rv_out + i, nv);
+    }
+}
+"""
+
+# B_t: the parameters' compute dtype (invstd is computed in it, as the NumPy twin does).
+_CNN_SRC["bninf"] = r"""
+extern "C" __global__ void ss_bn_infer(const X_t* x, const P_t* gamma, const P_t* beta,
+                                       const P_t* rm, const P_t* rv, X_t* y, long long total,
+                                       int c, double eps) {
+    SS_LOOP(i, total) {
+        int ch = (int)(i % c);
+        B_t inv = (B_t)1 / ss_sqrt((B_t)ss_wide(rv[ch]) + (B_t)eps);
+        A_t v = (SS_LD(x[i]) - SS_LD(rm[ch])) * (A_t)inv * SS_LD(gamma[ch]) + SS_LD(beta[ch]);
+        ss_put(y + i, v);
+    }
+}
+"""
+
+# Philox-4x32-10 exactly as kernels_cnn.philox4x32_10; thread g draws block g: the words of
+# elements 4g .. 4g+3.  The offset is read from the device counter when the kernel runs.
+_CNN_SRC["drop"] = r"""
+__device__ __forceinline__ void ss_philox(unsigned int* c, unsigned int k0, unsigned int k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        unsigned long long p0 = 0xD2511F53ull * (unsigned long long)c[0];
+        unsigned long long p1 = 0xCD9E8D57ull * (unsigned long long)c[2];
+        unsigned int n0 = (unsigned int)(p1 >> 32) ^ c[1] ^ k0;
+        unsigned int n1 = (unsigned int)(p1 & 0xffffffffull);
+        unsigned int n2 = (unsigned int)(p0 >> 32) ^ c[3] ^ k1;
+        unsigned int n3 = (unsigned int)(p0 & 0xffffffffull);
+        c[0] = n0; c[1] = n1; c[2] = n2; c[3] = n3;
+    }
+}
+
+extern "C" __global__ void ss_dropout(const X_t* x, const O_t* offset, X_t* y, M_t* mask,
+                                      long long size, unsigned int k0, unsigned int k1,
+                                      unsigned long long thr, double scale) {
+    unsigned long long off = ss_u64(offset[0]);
+    A_t sc = (A_t)scale;
+    long long nb = (size + 3) >> 2;
+    SS_LOOP(blk, nb) {
+        unsigned long long ub = (unsigned long long)blk;
+        unsigned int c[4];
+        c[0] = (unsigned int)(ub & 0xffffffffull);
+        c[1] = (unsigned int)(ub >> 32);
+        c[2] = (unsigned int)(off & 0xffffffffull);
+        c[3] = (unsigned int)(off >> 32);
+        ss_philox(c, k0, k1);
+        for (int u = 0; u < 4; ++u) {
+            long long i = blk * 4 + u;
+            if (i >= size) break;
+            bool keep = (unsigned long long)c[u] >= thr;
+            A_t v = keep ? SS_LD(x[i]) * sc : (A_t)0;
+            ss_put(y + i, v);
+            ss_put(mask + i, keep ? 1.0 : 0.0);
+        }
+    }
+}
+
+extern "C" __global__ void ss_dropout_grad(const X_t* dy, const M_t* mask, X_t* dx,
+                                           long long size, double scale) {
+    A_t sc = (A_t)scale;
+    SS_LOOP(i, size) {
+        A_t v = ss_wide(mask[i]) != 0.0 ? SS_LD(dy[i]) * sc : (A_t)0;
+        ss_put(dx + i, v);
+    }
+}
+"""
+
+_CNN_SRC["offs"] = r"""
+extern "C" __global__ void ss_offset_advance(const O_t* in, O_t* out, long long by) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = (O_t)(in[0] + (O_t)by);
+}
+"""
+
+# LARS in one block: both norms (squares in A_t, as NumPy, summed in double by the fixed tree),
+# the trust ratio in double, then the elementwise update by the same block.  No scratch.
+_CNN_SRC["lars"] = r"""
+extern "C" __global__ void ss_lars(const X_t* w, const X_t* dw, const X_t* v, const L_t* lr,
+                                   X_t* w_out, X_t* v_out, long long size, double mom, double wd,
+                                   double trust, double eps) {
+    __shared__ double sh[SS_B];
+    int t = threadIdx.x;
+    double sw = 0.0, sg = 0.0;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = SS_LD(w[i]), g = SS_LD(dw[i]);
+        sw += (double)(a * a);
+        sg += (double)(g * g);
+    }
+    sw = ss_block_sum(sw, sh);
+    sg = ss_block_sum(sg, sh);
+    double wn = sqrt(sw), gn = sqrt(sg);
+    double local = (wn > 0.0 && gn > 0.0) ? trust * wn / (gn + wd * wn + eps) : 1.0;
+    A_t coef = (A_t)(ss_wide(lr[0]) * local);
+    A_t am = (A_t)mom, awd = (A_t)wd;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = SS_LD(w[i]), g = SS_LD(dw[i]), vv = SS_LD(v[i]);
+        A_t vn = am * vv + coef * (g + awd * a);
+        A_t wn2 = a - vn;
+        ss_put(v_out + i, vn);
+        ss_put(w_out + i, wn2);
+    }
+}
+"""
+
+_CNN_SRC["ema"] = r"""
+extern "C" __global__ void ss_ema(const X_t* ema, const X_t* w, X_t* out, long long size,
+                                  double omd) {
+    A_t k = (A_t)omd;
+    SS_LOOP(i, size) {
+        A_t e = SS_LD(ema[i]);
+        ss_put(out + i, e + k * (SS_LD(w[i]) - e));
+    }
+}
+"""
+
+# Through double: exact, then one round-to-nearest-even into Y_t (__double2half for f16).
+_CNN_SRC["cast"] = r"""
+extern "C" __global__ void ss_cast(const X_t* x, Y_t* y, long long size) {
+    SS_LOOP(i, size) ss_put(y + i, ss_wide(x[i]));
+}
+"""
+
+_CNN_SRC["sloss"] = r"""
+extern "C" __global__ void ss_scale_loss(const X_t* loss, const S_t* scale, X_t* out,
+                                         long long size) {
+    A_t sc = SS_LD(scale[0]);
+    SS_LOOP(i, size) ss_put(out + i, SS_LD(loss[i]) * sc);
+}
+"""
+
+# found is only ever set to 1 (every thread that sees a non-finite value stores the same 1; no
+# atomics needed); a found_inf output apart from its input is first copied by ss_copy1.
+_CNN_SRC["unscale"] = r"""
+extern "C" __global__ void ss_copy1(const F_t* in, F_t* out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = in[0];
+}
+
+extern "C" __global__ void ss_unscale(const X_t* g, const S_t* scale, F_t* found, X_t* out,
+                                      long long size) {
+    A_t inv = (A_t)(1.0 / ss_wide(scale[0]));
+    SS_LOOP(i, size) {
+        A_t v = SS_LD(g[i]);
+        if (!ss_finite(v)) ss_put(found, 1.0);
+        ss_put(out + i, v * inv);
+    }
+}
+"""
+
+_CNN_SRC["upd"] = r"""
+extern "C" __global__ void ss_update_scale(const S_t* scale, const F_t* found, const G_t* good,
+                                           S_t* scale_out, G_t* good_out, double growth,
+                                           double backoff, double interval) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    S_t s0 = scale[0];
+    double s = ss_wide(s0), f = ss_wide(found[0]), st = ss_wide(good[0]);
+    if (f != 0.0) {
+        ss_put(scale_out, s * backoff);
+        ss_put(good_out, 0.0);
+    } else if (st + 1.0 == interval) {
+        S_t grown;
+        ss_put(&grown, s * growth);
+        if (ss_finite(ss_wide(grown))) *scale_out = grown; else *scale_out = s0;
+        ss_put(good_out, 0.0);
+    } else {
+        *scale_out = s0;
+        ss_put(good_out, st + 1.0);
+    }
+}
+"""
+
+_CNN_CT = {"float16": "__half", "float32": "float", "float64": "double", "uint8": "unsigned char",
+           "int32": "int", "int64": "long long"}
+
+
+def _acc_of(*dtypes) -> str:
+    """The compute dtype of the NumPy twins: f64 if any operand is f64, else f32."""
+    return "float64" if any(str(d) == "float64" for d in dtypes) else "float32"
+
+
+def _cnn_fn(group: str, name: str, **types):
+    """Kernel `name` of _CNN_SRC[group] compiled with the typedefs `types` (typedef name ->
+    dtype); module and function cached by (group, typedefs)."""
+    import cupy as cp
+
+    k = _kernels()
+    tkey = tuple(sorted((t, str(d)) for t, d in types.items()))
+    fkey = ("cnn", group, tkey, name)
+    f = k["_fn"].get(fkey)
+    if f is not None:
+        return f
+    for t, d in tkey:
+        if d not in _CNN_CT:
+            raise NotImplementedError(f"{name}: dtype {d} ({t}) is not supported on the device")
+    mkey = ("cnn", group, tkey)
+    mod = k["_raw"].get(mkey)
+    if mod is None:
+        half = any(d == "float16" for _, d in tkey)
+        head = "#include <cuda_fp16.h>\n#define SS_HALF 1\n" if half else ""
+        head += _HEAD + "".join(f"typedef {_CNN_CT[d]} {t};\n" for t, d in tkey)
+        mod = cp.RawModule(code=head + _CNN_PRE + _CNN_SRC[group],
+                           options=("-std=c++17", "--fmad=false"))
+        k["_raw"][mkey] = mod
+    f = k["_fn"][fkey] = mod.get_function(name)
+    return f
+
+
+_BLOCK = 256  # SS_B
+
+
+def _grid(total: int) -> tuple[int]:
+    """Blocks of 256 threads for a grid-stride loop over `total` items (capped; the loop covers
+    the rest)."""
+    return (max(1, min(-(-int(total) // _BLOCK), 1 << 16)),)
+
+
+def _go(ctx, stream, f, grid, args) -> None:
+    with _stream(ctx, stream):
+        f(grid, (_BLOCK,), args)
+
+
+def _contiguous(name: str, arrays) -> None:
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: operands must be C-contiguous")
+
+
+def _disjoint(name: str, ins, outs) -> None:
+    """Gather kernels read inputs other threads' outputs may overwrite: refuse overlap."""
+    for o in outs:
+        for a in ins:
+            if o.size and a.size and _overlap(o.data.ptr, o.nbytes, a.data.ptr, a.nbytes):
+                raise ValueError(f"{name}: an output shares memory with an input (not supported "
+                                 f"on the device)")
+
+
+def _i32(*vals):
+    import numpy as np
+
+    return tuple(np.int32(int(v)) for v in vals)
+
+
+def _conv2d(ctx, stream, ins, outs, attrs):
+    x, w = ins
+    y = outs[0]
+    _contiguous("conv2d", (x, w, y))
+    _disjoint("conv2d", ins, outs)
+    n, h, wd, c = x.shape
+    kh, kw, _, k = w.shape
+    _, oh, ow, _ = y.shape
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if y.size == 0:
+        return
+    f = _cnn_fn("conv", "ss_conv2d", X_t=x.dtype)
+    _go(ctx, stream, f, _grid(y.size), (x, w, y) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
+
+
+def _conv2d_grad_x(ctx, stream, ins, outs, attrs):
+    dy, w = ins
+    dx = outs[0]
+    _contiguous("conv2d_grad_x", (dy, w, dx))
+    _disjoint("conv2d_grad_x", ins, outs)
+    n, oh, ow, k = dy.shape
+    kh, kw, c, _ = w.shape
+    _, h, wd, _ = dx.shape
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if dx.size == 0:
+        return
+    f = _cnn_fn("conv", "ss_conv2d_grad_x", X_t=dy.dtype)
+    _go(ctx, stream, f, _grid(dx.size), (dy, w, dx) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
+
+
+def _conv2d_grad_w(ctx, stream, ins, outs, attrs):
+    x, dy = ins
+    dw = outs[0]
+    _contiguous("conv2d_grad_w", (x, dy, dw))
+    _disjoint("conv2d_grad_w", ins, outs)
+    n, h, wd, c = x.shape
+    _, oh, ow, k = dy.shape
+    kh, kw = dw.shape[0], dw.shape[1]
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if dw.size == 0:
+        return
+    f = _cnn_fn("conv", "ss_conv2d_grad_w", X_t=x.dtype)
+    _go(ctx, stream, f, (int(dw.size),), (x, dy, dw) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
+
+
+def _sum_nhw(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    dy, db = ins[0], outs[0]
+    _contiguous("sum_nhw", (dy, db))
+    _disjoint("sum_nhw", ins, outs)
+    c = int(dy.shape[-1])
+    if c == 0:
+        return
+    f = _cnn_fn("conv", "ss_sum_nhw", X_t=dy.dtype)
+    _go(ctx, stream, f, (c,), (dy, db, np.int64(dy.size // c), np.int32(c)))
+
+
+def _pool_dims(attrs):
+    return int(attrs.get("size", 2)), int(attrs.get("stride", 2))
+
+
+def _pool(kind: str) -> Callable:
+    def fn(ctx, stream, ins, outs, attrs):
+        x, y = ins[0], outs[0]
+        _contiguous(kind, (x, y))
+        _disjoint(kind, ins, outs)
+        n, h, wd, c = x.shape
+        _, oh, ow, _ = y.shape
+        size, s = _pool_dims(attrs)
+        if y.size == 0:
+            return
+        f = _cnn_fn("pool", "ss_" + kind, X_t=x.dtype, A_t=_acc_of(x.dtype))
+        _go(ctx, stream, f, _grid(y.size), (x, y) + _i32(n, h, wd, c, oh, ow, size, s))
+    fn.__name__ = kind
+    return fn
+
+
+def _pool_grad(kind: str) -> Callable:
+    def fn(ctx, stream, ins, outs, attrs):
+        dy, x = ins
+        dx = outs[0]
+        _contiguous(kind, (dy, x, dx))
+        _disjoint(kind, ins, outs)
+        n, h, wd, c = x.shape
+        _, oh, ow, _ = dy.shape
+        size, s = _pool_dims(attrs)
+        if dx.size == 0:
+            return
+        f = _cnn_fn("pool", "ss_pool2d_grad", X_t=dy.dtype, A_t=_acc_of(dy.dtype))
+        _go(ctx, stream, f, _grid(dx.size),
+            (dy, x, dx) + _i32(n, h, wd, c, oh, ow, size, s, 0 if kind.startswith("max") else 1))
+    fn.__name__ = kind
+    return fn
+
+
+def _global_avgpool(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, y = ins[0], outs[0]
+    _contiguous("global_avgpool", (x, y))
+    _disjoint("global_avgpool", ins, outs)
+    n, h, wd, c = x.shape
+    if y.size == 0:
+        return
+    f = _cnn_fn("pool", "ss_global_avgpool", X_t=x.dtype, A_t=_acc_of(x.dtype))
+    _go(ctx, stream, f, _grid(y.size), (x, y, np.int32(n), np.int64(h * wd), np.int32(c)))
+
+
+def _global_avgpool_grad(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    dy, x = ins
+    dx = outs[0]
+    _contiguous("global_avgpool_grad", (dy, dx))
+    _disjoint("global_avgpool_grad", (dy,), outs)
+    n, h, wd, c = x.shape
+    if dx.size == 0:
+        return
+    f = _cnn_fn("pool", "ss_global_avgpool_grad", X_t=dy.dtype, A_t=_acc_of(dy.dtype))
+    _go(ctx, stream, f, _grid(dx.size), (dy, dx, np.int32(n), np.int64(h * wd), np.int32(c)))
+
+
+def _batchnorm_train(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, gamma, beta = ins
+    y, mean, invstd = outs
+    _contiguous("batchnorm_train", list(ins) + list(outs))
+    c = int(x.shape[-1])
+    f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
+    _go(ctx, stream, f, (c,), (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
+                               np.float64(attrs.get("eps", 1e-5))))
+
+
+def _batchnorm_grad(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    dy, x, gamma, mean, invstd = ins
+    dx, dgamma, dbeta = outs
+    _contiguous("batchnorm_grad", list(ins) + list(outs))
+    c = int(x.shape[-1])
+    f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
+    _go(ctx, stream, f, (c,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
+                               np.int64(x.size // c), np.int32(c)))
+
+
+def _batchnorm_stats_update(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    rm, rv, mean, invstd = ins
+    rm_out, rv_out = outs
+    _contiguous("batchnorm_stats_update", list(ins) + list(outs))
+    c = int(rm.size)
+    mom = float(attrs.get("momentum", 0.1))
+    count = attrs.get("count")
+    if count is None:
+        raise ValueError("batchnorm_stats_update: attribute count must be given")
+    count = int(count)
+    f = _cnn_fn("bnstat", "ss_bn_stats", P_t=rm.dtype, A_t=_acc_of(rm.dtype))
+    _go(ctx, stream, f, _grid(c), (rm, rv, mean, invstd, rm_out, rv_out, np.int32(c),
+                                   np.float64(1 - mom), np.float64(mom),
+                                   np.float64(attrs.get("eps", 1e-5)),
+                                   np.float64(count / (count - 1))))
+
+
+def _batchnorm_infer(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, gamma, beta, rm, rv = ins
+    y = outs[0]
+    _contiguous("batchnorm_infer", list(ins) + [y])
+    c = int(x.shape[-1])
+    if y.size == 0:
+        return
+    f = _cnn_fn("bninf", "ss_bn_infer", X_t=x.dtype, P_t=gamma.dtype,
+                A_t=_acc_of(x.dtype, gamma.dtype), B_t=_acc_of(gamma.dtype))
+    _go(ctx, stream, f, _grid(y.size), (x, gamma, beta, rm, rv, y, np.int64(y.size), np.int32(c),
+                                        np.float64(attrs.get("eps", 1e-5))))
+
+
+def _dropout(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, offset = ins
+    y, mask = outs
+    _contiguous("dropout", (x, y, mask))
+    p = float(attrs.get("p", 0.1))
+    seed = int(attrs.get("seed", 0))
+    thr = int(math.floor(p * 4294967296.0))  # kernels_cnn.dropout_threshold
+    if x.size == 0:
+        return
+    f = _cnn_fn("drop", "ss_dropout", X_t=x.dtype, O_t=offset.dtype, M_t=mask.dtype,
+                A_t=_acc_of(x.dtype))
+    _go(ctx, stream, f, _grid((x.size + 3) // 4),
+        (x, offset, y, mask, np.int64(x.size), np.uint32(seed & 0xFFFFFFFF),
+         np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint64(thr), np.float64(1.0 / (1.0 - p))))
+
+
+def _dropout_grad(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    dy, mask = ins
+    dx = outs[0]
+    _contiguous("dropout_grad", (dy, mask, dx))
+    p = float(attrs.get("p", 0.1))
+    if dx.size == 0:
+        return
+    f = _cnn_fn("drop", "ss_dropout_grad", X_t=dy.dtype, M_t=mask.dtype, O_t="int64",
+                A_t=_acc_of(dy.dtype))
+    _go(ctx, stream, f, _grid(dx.size), (dy, mask, dx, np.int64(dx.size), np.float64(1.0 / (1.0 - p))))
+
+
+def _offset_advance(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    f = _cnn_fn("offs", "ss_offset_advance", O_t=ins[0].dtype)
+    _go(ctx, stream, f, (1,), (ins[0], outs[0], np.int64(int(attrs.get("by", 1)))))
+
+
+def _lars_step(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    w, dw, v, lr = ins
+    w_out, v_out = outs
+    _contiguous("lars_step", (w, dw, v, w_out, v_out))
+    f = _cnn_fn("lars", "ss_lars", X_t=w.dtype, L_t=lr.dtype, A_t=_acc_of(w.dtype))
+    _go(ctx, stream, f, (1,), (w, dw, v, lr, w_out, v_out, np.int64(w.size),
+                               np.float64(attrs.get("momentum", 0.9)),
+                               np.float64(attrs.get("weight_decay", 0.0005)),
+                               np.float64(attrs.get("trust", 0.001)),
+                               np.float64(attrs.get("eps", 1e-9))))
+
+
+def _ema_update(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    ema, w = ins
+    out = outs[0]
+    _contiguous("ema_update", (ema, w, out))
+    if out.size == 0:
+        return
+    f = _cnn_fn("ema", "ss_ema", X_t=ema.dtype, A_t=_acc_of(ema.dtype))
+    _go(ctx, stream, f, _grid(out.size),
+        (ema, w, out, np.int64(out.size), np.float64(1.0 - float(attrs.get("decay", 0.999)))))
+
+
+def _cast(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, y = ins[0], outs[0]
+    _contiguous("cast", (x, y))
+    if y.size == 0 or (y.dtype == x.dtype and y.data.ptr == x.data.ptr):
+        return
+    f = _cnn_fn("cast", "ss_cast", X_t=x.dtype, Y_t=y.dtype)
+    _go(ctx, stream, f, _grid(y.size), (x, y, np.int64(y.size)))
+
+
+def _scale_loss(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    loss, scale = ins
+    out = outs[0]
+    _contiguous("scale_loss", (loss, out))
+    if out.size == 0:
+        return
+    f = _cnn_fn("sloss", "ss_scale_loss", X_t=loss.dtype, S_t=scale.dtype,
+                A_t=_acc_of(loss.dtype, scale.dtype))
+    _go(ctx, stream, f, _grid(out.size), (loss, scale, out, np.int64(out.size)))
+
+
+def _unscale_check(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    g, scale, found = ins
+    g_out, found_out = outs
+    _contiguous("unscale_check", (g, g_out))
+    types = dict(X_t=g.dtype, S_t=scale.dtype, F_t=found.dtype, A_t=_acc_of(g.dtype))
+    if found_out.data.ptr != found.data.ptr:
+        _go(ctx, stream, _cnn_fn("unscale", "ss_copy1", **types), (1,), (found, found_out))
+    if g.size == 0:
+        return
+    f = _cnn_fn("unscale", "ss_unscale", **types)
+    _go(ctx, stream, f, _grid(g.size), (g, scale, found_out, g_out, np.int64(g.size)))
+
+
+def _update_scale(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    scale, found, good = ins
+    scale_out, good_out = outs
+    f = _cnn_fn("upd", "ss_update_scale", S_t=scale.dtype, F_t=found.dtype, G_t=good.dtype)
+    _go(ctx, stream, f, (1,), (scale, found, good, scale_out, good_out,
+                               np.float64(attrs.get("growth", 2.0)),
+                               np.float64(attrs.get("backoff", 0.5)),
+                               np.float64(int(attrs.get("interval", 2000)))))
+
+
+_CNN_TWINS: dict[str, Callable] = {
+    "conv2d": _conv2d,
+    "conv2d_grad_x": _conv2d_grad_x,
+    "conv2d_grad_w": _conv2d_grad_w,
+    "sum_nhw": _sum_nhw,
+    "maxpool2d": _pool("maxpool2d"),
+    "maxpool2d_grad": _pool_grad("maxpool2d_grad"),
+    "avgpool2d": _pool("avgpool2d"),
+    "avgpool2d_grad": _pool_grad("avgpool2d_grad"),
+    "global_avgpool": _global_avgpool,
+    "global_avgpool_grad": _global_avgpool_grad,
+    "batchnorm_train": _batchnorm_train,
+    "batchnorm_grad": _batchnorm_grad,
+    "batchnorm_stats_update": _batchnorm_stats_update,
+    "batchnorm_infer": _batchnorm_infer,
+    "dropout": _dropout,
+    "dropout_grad": _dropout_grad,
+    "offset_advance": _offset_advance,
+    "lars_step": _lars_step,
+    "ema_update": _ema_update,
+    "cast": _cast,
+    "scale_loss": _scale_loss,
+    "unscale_check": _unscale_check,
+    "update_scale": _update_scale,
+}
+
+
 CUDA_KERNELS: dict[str, Callable] = {
     "matmul": _matmul,
     "add": _binary("add"),
@@ -704,6 +1623,7 @@ CUDA_KERNELS: dict[str, Callable] = {
     "increment": _increment,
     "stage": _host_only("stage"),
     "set_scalar": _host_only("set_scalar"),
+    **_CNN_TWINS,
 }
 """Kernel name -> CUDA twin; `Kernel.cuda` ("streamsched.stdlib.cuda_kernels:NAME") resolves
 to the module attribute of the same name, set below."""
