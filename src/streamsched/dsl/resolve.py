@@ -966,7 +966,10 @@ class Resolver:
                     bind[gp.name.id] = f"grad.{pbuf}"
                 for sp in states:
                     sname = f"{op.name}.{sp.name.id}.{pbuf}"
-                    self.add_buffer(sname, shp, dt, "state", sp.span, init="zeros")
+                    init = "zeros"
+                    if isinstance(sp.default, A.Var) and sp.default.name.id == "copy":
+                        init = f"copy:{pbuf}"  # starts as a copy of the parameter (an EMA)
+                    self.add_buffer(sname, shp, dt, "state", sp.span, init=init)
                     bind[sp.name.id] = sname
             bind["__attrs__"] = attr_vals
             tag = pbuf or op.name

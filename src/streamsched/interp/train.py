@@ -83,13 +83,15 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
     """Initial values of every buffer with an init (params, optimizer state, constants).
 
     glorot: uniform(-l, l), l = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio, 2010);
+    copy:P: the initial value of parameter P (an EMA of P starts at P);
     he: normal(0, sqrt(2 / fan_in)); normal: N(0, 0.01); zeros; ones.  A 1-D or scalar param
     named glorot/he is zero-initialized (biases).  Deterministic in `seed`.
     """
     bufs = {b.name: b for b in program.buffers}
     rng = np.random.default_rng(seed)
     out = {}
-    for name, init in program.inits:
+    copies = [(n, i) for n, i in program.inits if i.startswith("copy:")]
+    for name, init in [(n, i) for n, i in program.inits if not i.startswith("copy:")]:
         b = bufs[name]
         dt = np.float32 if b.dtype == "f32" else np.float64 if b.dtype == "f64" else np.float16
         if init == "ones":
@@ -106,6 +108,8 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
         else:
             v = np.zeros(b.shape)
         out[name] = v.astype(dt)
+    for name, init in copies:  # state that starts as a copy of a parameter (weight EMA)
+        out[name] = out[init[5:]].copy()
     return out
 
 
