@@ -4,12 +4,21 @@ weights for every variant.
 
     python benchmarks/step_time.py [--json benchmarks/results/h200.json] [--md table.md]
                                    [--steps 300] [--reps 5] [--check-steps 20]
-                                   [--models mlp784_b128,mlp784_b2048,mlp_digits]
+                                   [--models mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits]
+                                   [--captures none,graphs,step]
                                    [--compile-budget 150] [--no-compile] [--trace-dir DIR]
 
 Models: an MLP 784-1024-1024-10 in fp32 at batch 128 and 2048 (the .sched text is generated
 here: linear, relu, linear, relu, linear, softmax_cross_entropy; random data written to an npz
-file in a temp folder), and examples/mlp_digits.sched (64-256-256-10, batch 128).
+file in a temp folder), examples/mlp_digits.sched (64-256-256-10, batch 128) and
+examples/resnet_digits.sched (a residual CNN on 8x8x1 images, NHWC in streamsched: three 3x3
+convolutions of 16 channels with batch norm and ReLU, a residual add, 2x2 max pooling, dropout
+p = 0.1, linear 256 -> 10; batch 64; SGD momentum 0.9, weight decay 1e-4).  For resnet_digits the
+PyTorch model is nn.Conv2d (cuDNN, NCHW) + nn.BatchNorm2d + nn.Dropout + nn.Linear with
+streamsched's initial weights (conv weights [kh, kw, c, k] -> [k, c, kh, kw]; the linear's rows
+permuted from NHWC to NCHW flattening order).  Dropout masks differ between the frameworks, so
+the loss check of resnet_digits runs every variant a second time with dropout p = 0 (check only,
+untimed); the timed runs use p = 0.1.
 
 Variants:
   torch_eager          nn.Sequential, F.cross_entropy, SGD(foreach=True, momentum=0.9),
@@ -32,6 +41,8 @@ Variants:
                        `_nozero` (MLP 784 only): the step without `zero_grad` (every gradient is
                        overwritten, not accumulated, so the six clears do nothing): what fewer
                        launches buy.
+
+`--captures` restricts the streamsched capture modes that run (default: all three).
 
 For each: GPU time per step (CUDA events around `--steps` steps, `--reps` repetitions, median),
 host issue time per step (wall time of the issuing loop / steps), and the loss after
@@ -194,6 +205,25 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
             xb = rng.standard_normal((batch, 64)).astype(np.float32)
             yb = rng.integers(0, 10, batch).astype(np.int32)
             classes = 10
+        elif name == "resnet_digits":
+            lr = 0.05  # the example's cosine peak, held constant
+            d = os.path.join(tmp, name)
+            os.makedirs(d, exist_ok=True)
+            five = os.path.join(ROOT, "examples", "resnet_digits.sched")
+            with open(five) as f:
+                text = f.read()
+            batch = int(re.search(r"model\s+\w+\s*\(\s*batch\s*=\s*(\d+)", text).group(1))
+            dropout = float(re.search(r"dropout\([^)]*\bp\s*=\s*([0-9.eE+-]+)", text).group(1))
+            xb = rng.standard_normal((batch, 8, 8, 1)).astype(np.float32)
+            yb = rng.integers(0, 10, batch).astype(np.int32)
+            classes = 10
+            # the loss check's twin: the same step with dropout p = 0 (masks differ between the
+            # frameworks; with p = 0 both are the identity)
+            p0 = os.path.join(d, f"{name}_p0.sched")
+            with open(p0, "w") as f:
+                f.write(dropout_text(text, 0.0))
+            with open(p0.replace(".sched", "_one_stream.sched"), "w") as f:
+                f.write(one_stream_text(dropout_text(text, 0.0)))
         else:
             raise SystemExit(f"unknown model {name}")
         one = os.path.join(d, f"{name}_one_stream.sched")
@@ -204,7 +234,15 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
         if name.startswith("mlp784_b"):
             out[name]["five_nozero"] = nz
             out[name]["one_nozero"] = nz.replace(".sched", "_one_stream.sched")
+        if name == "resnet_digits":
+            out[name].update({"kind": "resnet", "weight_decay": 1e-4, "dropout": dropout,
+                              "five_p0": p0, "one_p0": p0.replace(".sched", "_one_stream.sched")})
     return out
+
+
+def dropout_text(text: str, p: float) -> str:
+    """Every `dropout(..., p = P)` of the .sched text with p set to `p`."""
+    return re.sub(r"(dropout\([^)]*\bp\s*=\s*)[0-9.eE+-]+", lambda m: f"{m.group(1)}{p!r}", text)
 
 
 def initial_weights(path: str, seed: int = 0) -> tuple[dict, list[tuple[str, str]]]:
@@ -237,6 +275,90 @@ def torch_model(init: dict, layers, device):
     return torch.nn.Sequential(*mods).to(device)
 
 
+def torch_resnet(init: dict, device, dropout: float):
+    """examples/resnet_digits.sched in PyTorch (NCHW, cuDNN convolutions), with streamsched's
+    initial weights."""
+    import torch
+    import torch.nn.functional as F
+
+    class ResNetDigits(torch.nn.Module):
+        def __init__(self, c_in=1, width=16, classes=10, hw=4):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(c_in, width, 3, padding=1)
+            self.b1 = torch.nn.BatchNorm2d(width)
+            self.c2 = torch.nn.Conv2d(width, width, 3, padding=1)
+            self.b2 = torch.nn.BatchNorm2d(width)
+            self.c3 = torch.nn.Conv2d(width, width, 3, padding=1)
+            self.b3 = torch.nn.BatchNorm2d(width)
+            self.pool = torch.nn.MaxPool2d(2)
+            self.drop = torch.nn.Dropout(dropout)
+            self.logits = torch.nn.Linear(width * hw * hw, classes)
+
+        def forward(self, x):
+            r1 = F.relu(self.b1(self.c1(x)))
+            r2 = F.relu(self.b2(self.c2(r1)))
+            r3 = F.relu(self.b3(self.c3(r2)) + r1)
+            return self.logits(self.drop(torch.flatten(self.pool(r3), 1)))
+
+    w1 = init["c1.w"]
+    model = ResNetDigits(c_in=w1.shape[2], width=w1.shape[3], classes=init["logits.w"].shape[1])
+    load_resnet(model, init)
+    return model.to(device)
+
+
+def load_resnet(model, init: dict) -> None:
+    """streamsched's values into the PyTorch model: conv weights [kh, kw, c, k] -> [k, c, kh, kw];
+    the linear's weight [h*w*c, classes] (NHWC flattening) -> [classes, c*h*w] (NCHW flattening);
+    batch-norm gamma, beta and running statistics; num_batches_tracked to 0."""
+    import torch
+
+    def put(dst, v):
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(v)).to(dst.device))
+
+    with torch.no_grad():
+        for i in (1, 2, 3):
+            conv, bn = getattr(model, f"c{i}"), getattr(model, f"b{i}")
+            put(conv.weight, init[f"c{i}.w"].transpose(3, 2, 0, 1))
+            put(conv.bias, init[f"c{i}.b"])
+            put(bn.weight, init[f"b{i}.gamma"])
+            put(bn.bias, init[f"b{i}.beta"])
+            put(bn.running_mean, init[f"b{i}.running_mean"])
+            put(bn.running_var, init[f"b{i}.running_var"])
+            bn.num_batches_tracked.zero_()
+        W = init["logits.w"]
+        c = init["c3.w"].shape[3]
+        hw = int(round((W.shape[0] // c) ** 0.5))
+        put(model.logits.weight, W.reshape(hw, hw, c, W.shape[1]).transpose(3, 2, 0, 1).reshape(W.shape[1], -1))
+        put(model.logits.bias, init["logits.b"])
+
+
+def torch_builder(spec, init, layers, device, dropout=None):
+    """(make() -> a fresh model, reset(model, opt) -> back to the initial weights with empty
+    momentum, the input batch as PyTorch wants it)."""
+    import torch
+
+    if spec.get("kind") == "resnet":
+        p = spec["dropout"] if dropout is None else dropout
+
+        def reset(model, opt):
+            load_resnet(model, init)
+            _zero_momentum(opt)
+
+        x = np.ascontiguousarray(spec["x"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        return (lambda: torch_resnet(init, device, p)), reset, torch.from_numpy(x).to(device)
+    return ((lambda: torch_model(init, layers, device)), (lambda m, o: reset_torch(m, o, init, layers)),
+            torch.from_numpy(spec["x"]).to(device))
+
+
+def _zero_momentum(opt) -> None:
+    import torch
+
+    with torch.no_grad():
+        for st in opt.state.values():
+            if st.get("momentum_buffer") is not None:
+                st["momentum_buffer"].zero_()
+
+
 def reset_torch(model, opt, init, layers) -> None:
     """Back to the initial weights with empty momentum (zeroed buffers step exactly like fresh
     ones: v = 0.9 * 0 + g)."""
@@ -252,20 +374,29 @@ def reset_torch(model, opt, init, layers) -> None:
                 st["momentum_buffer"].zero_()
 
 
-def torch_variants(spec, init, layers, args, device="cuda"):
-    """Yield (name, result dict) for PyTorch eager, whole-step CUDA graph and torch.compile."""
+def torch_variants(spec, init, layers, args, device="cuda", dropout=None, check_only=False):
+    """Yield (name, result dict) for PyTorch eager, whole-step CUDA graph and torch.compile.
+    dropout: the models' dropout p instead of the spec's; check_only: only the loss after
+    `--check-steps` steps (eager and graph; nothing timed)."""
     import torch
     import torch.nn.functional as F
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    x = torch.from_numpy(spec["x"]).to(device)
+    make, reset, x = torch_builder(spec, init, layers, device, dropout)
     y = torch.from_numpy(spec["y"].astype(np.int64)).to(device)
     lr = spec["lr"]
+    wd = spec.get("weight_decay", 0.0)
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=wd, foreach=True)
+
+    def timed(step) -> dict:
+        return {} if check_only else time_torch(step, args)
 
     # eager
-    model = torch_model(init, layers, device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=True)
+    model = make()
+    opt = sgd(model)
 
     def eager_step():
         opt.zero_grad(set_to_none=True)
@@ -278,20 +409,20 @@ def torch_variants(spec, init, layers, args, device="cuda"):
     for _ in range(args.check_steps):
         loss = eager_step()
     res = {"loss_after_check": float(loss.detach())}
-    res.update(time_torch(eager_step, args))
+    res.update(timed(eager_step))
     yield "torch_eager", res
 
     # whole-step CUDA graph
     try:
-        model = torch_model(init, layers, device)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=True)
+        model = make()
+        opt = sgd(model)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):  # warm-up on a side stream: creates the momentum buffers
                 eager_step_of(model, opt, x, y)
         torch.cuda.current_stream().wait_stream(s)
-        reset_torch(model, opt, init, layers)
+        reset(model, opt)
         g = torch.cuda.CUDAGraph()
         opt.zero_grad(set_to_none=True)
         with torch.cuda.graph(g):
@@ -299,16 +430,18 @@ def torch_variants(spec, init, layers, args, device="cuda"):
             static_loss.backward()
             opt.step()
         torch.cuda.synchronize()
-        reset_torch(model, opt, init, layers)  # capture ran nothing, but be explicit
+        reset(model, opt)  # capture ran nothing, but be explicit
         for _ in range(args.check_steps):
             g.replay()
         res = {"loss_after_check": float(static_loss.detach())}
-        res.update(time_torch(g.replay, args))
+        res.update(timed(g.replay))
         yield "torch_graph", res
     except Exception as exc:
         yield "torch_graph", {"skipped": f"{type(exc).__name__}: {exc}"}
 
     # torch.compile(mode="reduce-overhead")
+    if check_only:
+        return
     if args.no_compile:
         yield "torch_compile", {"skipped": "--no-compile"}
         return
@@ -320,8 +453,8 @@ def torch_variants(spec, init, layers, args, device="cuda"):
         import torch._dynamo
 
         torch._dynamo.reset()
-        model = torch_model(init, layers, device)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=True)
+        model = make()
+        opt = sgd(model)
 
         def fwd_loss(a, b):
             return F.cross_entropy(model(a), b)
@@ -342,7 +475,7 @@ def torch_variants(spec, init, layers, args, device="cuda"):
         torch.cuda.synchronize()
         took = time.perf_counter() - t0
         args.compile_spent += took
-        reset_torch(model, opt, init, layers)
+        reset(model, opt)
         loss = None
         for _ in range(args.check_steps):
             loss = compiled_step()
@@ -395,11 +528,12 @@ def _stats(gpu, host) -> dict:
 
 # -- streamsched -------------------------------------------------------------------------------
 
-def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_only: bool = False) -> dict:
+def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_only: bool = False,
+               check_only: bool = False) -> dict:
     """One streamsched variant.  replay_only: issue only the device work of each step (graph
     launches, waits, records), leaving out its host tasks and host waits: the device-side step
     time without the host/device round trip of the plan's staging waits (valid here only because
-    the data are static)."""
+    the data are static).  check_only: only the loss after `--check-steps` steps."""
     import cupy as cp
 
     from streamsched.interp.barriers import plan_segment
@@ -456,6 +590,8 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
             k += 1
         ex.synchronize()
         loss = float(ex.get(m.loss))
+        if check_only:
+            return {"loss_after_check": loss}
         for _ in range(args.warmup):
             cur["k"] = k
             ex.run(prog(k), host_fn)
@@ -531,6 +667,11 @@ def run(args) -> dict:
         init, layers = initial_weights(spec["five"])
         row: dict = {"batch": spec["batch"], "lr": spec["lr"],
                      "layers": [list(init[w].shape) for w, _ in layers], "variants": {}}
+        if spec.get("kind") == "resnet":
+            row["layers"] = [list(init[w].shape) for w in ("c1.w", "c2.w", "c3.w", "logits.w")]
+            row.update({"weight_decay": spec["weight_decay"], "dropout": spec["dropout"],
+                        "torch_layout": "NCHW (cuDNN), nn.BatchNorm2d, nn.Dropout",
+                        "loss_check_dropout": 0.0})
         out["models"][name] = row
         print(f"== {name}", flush=True)
         try:
@@ -541,8 +682,19 @@ def run(args) -> dict:
         except Exception as exc:
             traceback.print_exc()
             row["variants"].setdefault("torch_eager", {"skipped": f"{type(exc).__name__}: {exc}"})
+        if "five_p0" in spec:  # the loss check with dropout p = 0 (masks differ between frameworks)
+            try:
+                for vname, res in torch_variants(spec, init, layers, args, dropout=0.0, check_only=True):
+                    if vname in row["variants"] and "loss_after_check" in res:
+                        row["variants"][vname]["loss_after_check_p0"] = res["loss_after_check"]
+                        print(f"  {vname:22s} p=0 loss {res['loss_after_check']:.7g}", flush=True)
+            except Exception:
+                traceback.print_exc()
+        captures = [c for c in args.captures.split(",") if c]
         for capture, replay, extra in (("none", False, ""), ("graphs", False, ""), ("step", False, ""),
                                        ("step", True, ""), ("step", False, "_nozero")):
+            if capture not in captures:
+                continue
             for streams in ("five", "one"):
                 vname = f"ss_{capture}_{streams}" + ("_replay" if replay else "") + extra
                 if streams + extra not in spec:
@@ -552,6 +704,13 @@ def run(args) -> dict:
                 except Exception as exc:
                     traceback.print_exc()
                     res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                if streams + "_p0" in spec and not replay and not extra and "skipped" not in res:
+                    try:
+                        chk = ss_variant(spec[streams + "_p0"], capture, spec, init, args, check_only=True)
+                        res["loss_after_check_p0"] = chk["loss_after_check"]
+                    except Exception as exc:
+                        traceback.print_exc()
+                        res["loss_after_check_p0_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 row["variants"][vname] = res
                 print(f"  {vname:22s} {json.dumps({k: v for k, v in res.items() if not k.endswith('_reps')})}",
                       flush=True)
@@ -567,10 +726,12 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
     """Loss check, ratios and targets of one model's variants (into `row`)."""
     v = row["variants"]
     g = {k: r.get("gpu_us") for k, r in v.items()}
-    losses = {k: r["loss_after_check"] for k, r in v.items() if "loss_after_check" in r}
+    key = "loss_after_check_p0" if any("loss_after_check_p0" in r for r in v.values()) else "loss_after_check"
+    losses = {k: r[key] for k, r in v.items() if key in r}
     ref = losses.get("torch_eager")
     row["loss_check"] = {
         "steps": check_steps, "reference": "torch_eager", "losses": losses,
+        "dropout": 0.0 if key.endswith("_p0") else "as timed",
         "max_rel_diff": max((abs(l - ref) / abs(ref) for l in losses.values()), default=None)
         if ref else None,
     }
@@ -635,8 +796,9 @@ def markdown(out: dict) -> str:
     lines = []
     for name, row in out["models"].items():
         lines.append(f"### {name} (batch {row['batch']}, layers {row['layers']})\n")
+        p0 = row["loss_check"].get("dropout") == 0.0
         lines.append("| variant | GPU µs/step (median) | host issue µs/step | × PyTorch CUDA graph | × PyTorch eager | loss after "
-                     f"{row['loss_check']['steps']} steps |")
+                     f"{row['loss_check']['steps']} steps{' (dropout p = 0)' if p0 else ''} |")
         lines.append("|---|---:|---:|---:|---:|---:|")
         for v in ORDER:
             r = row["variants"].get(v)
@@ -646,8 +808,9 @@ def markdown(out: dict) -> str:
                 lines.append(f"| {v} | skipped: {r['skipped'][:120]} | | | | |")
                 continue
             rr = row["ratios"].get(v, {})
+            lc = r.get("loss_after_check_p0", "") if p0 else r["loss_after_check"]
             lines.append(f"| {v} | {r['gpu_us']:.1f} | {r['host_us']:.1f} | {_f(rr.get('vs_torch_graph'))} | "
-                         f"{_f(rr.get('vs_torch_eager'))} | {r['loss_after_check']:.7g} |")
+                         f"{_f(rr.get('vs_torch_eager'))} | {lc if isinstance(lc, str) else f'{lc:.7g}'} |")
         lc = row["loss_check"]["max_rel_diff"]
         lines.append(f"\nLoss check: max relative difference to PyTorch eager {lc:.2e}." if lc is not None else "")
         for t, r in row["targets"].items():
@@ -668,7 +831,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--check-steps", type=int, default=20)
-    ap.add_argument("--models", default="mlp784_b128,mlp784_b2048,mlp_digits")
+    ap.add_argument("--models", default="mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits")
+    ap.add_argument("--captures", default="none,graphs,step",
+                    help="the streamsched capture modes to run (comma-separated)")
     ap.add_argument("--compile-budget", type=float, default=100.0,
                     help="seconds of torch.compile time, all models together, before skipping it")
     ap.add_argument("--no-compile", action="store_true")

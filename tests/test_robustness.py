@@ -210,6 +210,9 @@ def test_latin1_include_is_p005_with_the_include_line(tmp_path, capsys):
 # ---- 5. deeply nested expressions (P004)
 
 
+LOGITS = "    logits = linear(x, 3)"
+
+
 def _nested(depth: int) -> str:
     e = "x"
     for _ in range(depth):
@@ -219,7 +222,7 @@ def _nested(depth: int) -> str:
 
 @pytest.mark.parametrize("depth", [250, 3000])
 def test_deep_nesting_is_p004_at_its_line(tmp_path, capsys, depth):
-    sched = project(tmp_path, replace={"    logits = linear(x, 3)": f"    z = {_nested(depth)}\n    logits = linear(z, 3)"})
+    sched = project(tmp_path, replace={LOGITS: f"    z = {_nested(depth)}\n{LOGITS}"})
     rc, _, err = main(capsys, "check", sched)
     assert rc == 1 and "error[P004]" in err and "tiny.sched:11:9" in err
 
@@ -233,7 +236,7 @@ def test_long_operator_chain_is_p004(tmp_path, capsys):
 def test_recursion_in_the_ast_builder_is_still_p004(monkeypatch):
     """Past the limit check (disabled here), lark's VisitError(RecursionError) becomes P004."""
     monkeypatch.setattr(parse_mod, "MAX_NESTING", 10**9)
-    text = TINY.replace("EXTRA", "").replace("    logits = linear(x, 3)", f"    z = {_nested(2000)}\n    logits = linear(z, 3)")
+    text = TINY.replace("EXTRA", "").replace(LOGITS, f"    z = {_nested(2000)}\n{LOGITS}")
     with pytest.raises(StreamschedError) as e:
         parse_mod.parse(text, "deep.sched")
     (d,) = e.value.diagnostics

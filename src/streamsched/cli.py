@@ -264,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         # The reader stopped reading (`streamsched lower F | head -3`, `check --format json | head`):
-        # it got what it asked for, and the rest is not wanted.  Exit quietly with status 0, as
-        # a reader-side choice is not a failure of the command: no traceback, no message, and a
-        # `set -o pipefail` pipeline does not fail because head stopped early (SIGPIPE's 141
-        # would).  The status of the command itself is then unknown, so CI should not pipe it.
+        # it got what it asked for.  Our choice: exit quietly with status 0, no traceback and no
+        # message, since a reader that stops early is not a failure of the command, and a
+        # `set -o pipefail` pipeline should not fail because of it (SIGPIPE's conventional 141
+        # would make it fail).  The price: the command's own verdict (1 when `check` found errors)
+        # is lost once its output is cut, so a script that needs it must not cut the output.
         _quiet_stdout()
         return 0
     except KeyboardInterrupt:

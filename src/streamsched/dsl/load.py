@@ -45,7 +45,8 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
     """Parse `path` (or the given `text` for it) and, depth first, every file it includes.
 
     Returns the files in include order (an included file before the rest of its includer) and
-    the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found, S011 recursive include.
+    the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found,
+    S011 recursive include.
     Every text read is stored in `sources` so diagnostics can print it.
     """
     files: list[A.File] = []

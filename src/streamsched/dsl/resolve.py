@@ -323,7 +323,8 @@ class Resolver:
         return tuple(shape), t.dtype.id
 
     def expand_op(self, op: A.OpDef, bind: dict[str, str], attrs: dict[str, Any], out: list[TaskTemplate],
-                  op_id: int, prefix: str, label: str, call_span: Span | None, need: set[str] | None = None) -> None:
+                  op_id: int, prefix: str, label: str, call_span: Span | None, need: set[str] | None = None,
+                  on: str | None = None) -> None:
         """Append the templates of one op call to `out`.
 
         bind: op param/out name -> buffer name (outputs not in bind get fresh buffers named
@@ -331,7 +332,7 @@ class Resolver:
         dropped, so a backward skips gradients nobody uses.
         """
         stdlib = op.name in self.stdlib_ops
-        rep = self.placed(op.name, self.stream(op.stream, stdlib), stdlib)
+        rep = on or self.placed(op.name, self.stream(op.stream, stdlib), stdlib)
         out_names = [o.name.id for o in op.outs]
         body = list(op.body)
         if need is not None:
@@ -941,11 +942,26 @@ class Resolver:
                       f"({'model, ' if per_param else ''}{', '.join(p.name.id for p in ins)}); "
                       f"{len(st.call.args)} given", st.call.span)
         attr_vals = {a.name.id: self.const(a.default, {}) for a in attrs}
+        layers: list[str] | None = None
         for kw in st.call.kwargs:
+            if per_param and kw.name.id == "layers":
+                # `layers = "c1 c2"`: update only these layers' parameters (the seed's LARS split
+                # by layer group over three streams)
+                v = self.const(kw.value, {})
+                if not isinstance(v, str) or not v.split():
+                    self.fail("S015", "`layers` is a string of layer names: `layers = \"c1 c2\"`", kw.value.span)
+                layers = v.split()
+                known = {p.rsplit(".", 1)[0] for p in (self.model_info.params if self.model_info else ())}
+                for lay in layers:
+                    if lay not in known:
+                        self.fail("S007", f"`{lay}` is not a layer with parameters", kw.value.span,
+                                  help=f"layers: {', '.join(sorted(known))}")
+                continue
             if kw.name.id not in attr_vals:
                 self.fail("S015", f"op `{op.name}` has no attribute `{kw.name.id}`", kw.name.span,
                           help=f"attributes: {', '.join(attr_vals) or 'none'}")
             attr_vals[kw.name.id] = self.const(kw.value, {})
+        on = self.stream(st.clauses.on, False) if st.clauses.on is not None else None
         base: dict[str, str] = {}
         for p, a in zip(ins, args):
             if not isinstance(a, A.Var):
@@ -957,6 +973,8 @@ class Resolver:
         # Per-parameter updates are issued in reverse layer order: the order in which the backward
         # finishes their gradients, so one stream's queue never waits on the last gradient first.
         params = list(reversed(self.model_info.params)) if (per_param and self.model_info) else [None]
+        if layers is not None:
+            params = [p for p in params if p.rsplit(".", 1)[0] in layers]
         for pbuf in params:
             bind = dict(base)
             if pbuf is not None:
@@ -974,7 +992,7 @@ class Resolver:
             bind["__attrs__"] = attr_vals
             tag = pbuf or op.name
             self.expand_op(op, bind, attr_vals, out, op_id, f"{op.name}.{tag}", f"{g.name.id}: {op.name}@{tag}",
-                           st.span)
+                           st.span, on=on)
             op_id += 1
         return op_id
 

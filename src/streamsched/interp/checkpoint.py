@@ -53,8 +53,9 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
     file in path's folder, flushes and fsyncs it, `os.replace`s it over path, then fsyncs the
     folder so the rename itself is durable.  On any failure the temporary file is removed and the
     previous checkpoint at path is untouched.  Raises OSError when path is a folder or its
-    folder cannot be written (the caller turns it into a diagnostic), ValueError for a reserved or non-string
-    key, an object array, or meta that JSON cannot hold (programming errors, not user mistakes).
+    folder cannot be written (the caller turns it into a diagnostic), ValueError for a reserved
+    or non-string key, an object array, or meta that JSON cannot hold (programming errors, not
+    user mistakes).
     """
     path = os.fspath(path)
     clean: dict[str, np.ndarray] = {}

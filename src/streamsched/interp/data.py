@@ -272,8 +272,8 @@ def _load_idx_dir(directory: str, span: Span | None) -> Dataset:
 
 def archive_kind(path: str) -> str:
     """What a file's first bytes say it is: "npz" (a zip archive, as np.savez writes), "npy"
-    (one array, np.save), or a short description of anything else ("an empty file", "text",
-    "some other binary file").  Read errors are left to the caller's np.load."""
+    (one array, np.save), or what anything else is, as a phrase ("it is empty", "it holds text",
+    "it is some other binary file").  Read errors are left to the caller's np.load."""
     try:
         with open(path, "rb") as f:
             head = f.read(512)

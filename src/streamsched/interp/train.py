@@ -276,7 +276,8 @@ def _check_output(path: Any, noun: str, flag: str | None, span, program_path: st
         return _x("X021", f"cannot write {noun} `{path}`{origin}: {why}", span, help=help)
 
     if os.path.isdir(full):
-        raise fail("it is a folder", f"name a file in it, e.g. `{os.path.join(path, 'run.jsonl' if append else 'run.npz')}`")
+        example = os.path.join(path, "run.jsonl" if append else "run.npz")
+        raise fail("it is a folder", f"name a file in it, e.g. `{example}`")
     if not os.path.isdir(parent):
         why = f"the folder `{parent}` does not exist" if not os.path.exists(parent) else f"`{parent}` is not a folder"
         raise fail(why, "create the folder first, or name a file in an existing folder")
