@@ -3,6 +3,7 @@ and the --update-golden switch for golden files."""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=1000, deadline=None,
@@ -15,3 +16,29 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite golden files from the current output (review the diff)")
+
+
+@pytest.fixture(scope="session")
+def cp():
+    """CuPy on a usable CUDA device with nvmath-python's cuBLAS and cuda-python; else skip.
+    Used by every test marked `cuda`."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver
+        pytest.skip(f"no CUDA device: {exc}")
+    if n < 1:
+        pytest.skip("no CUDA device")
+    pytest.importorskip("nvmath.bindings.cublas")
+    pytest.importorskip("cuda.bindings.runtime")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def ctx(cp):
+    """A two-stream DeviceContext for kernel tests."""
+    from streamsched.interp.cuda import DeviceContext
+
+    c = DeviceContext(["s0", "s1"])
+    yield c
+    c.close()

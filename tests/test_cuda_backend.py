@@ -14,27 +14,7 @@ from streamsched.stdlib.kernels import KERNELS, numpy_dtype
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver
-        pytest.skip(f"no CUDA device: {exc}")
-    if n < 1:
-        pytest.skip("no CUDA device")
-    pytest.importorskip("nvmath.bindings.cublas")
-    pytest.importorskip("cuda.bindings.runtime")
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def ctx(cp):
-    from streamsched.interp.cuda import DeviceContext
-
-    c = DeviceContext(["s0", "s1"])
-    yield c
-    c.close()
+# fixtures `cp` (CuPy on a usable device, else skip) and `ctx` live in tests/conftest.py
 
 
 # -- kernels against their NumPy twins ---------------------------------------------------------
