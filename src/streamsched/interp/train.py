@@ -470,7 +470,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                              help="the lines written before are kept; free space or name another file") from None
             if bar is not None and "test_acc" in rec:
                 bar.set_postfix(epoch=e, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
-            if save:
+            if save and len(losses) == spe:  # only a whole epoch: a resume restarts at the next one
                 arrays = {n: runner.read(n) for n in saved}
                 try:
                     save_checkpoint(save, arrays, {**expected_meta, "epoch": e, "history": result.history})
