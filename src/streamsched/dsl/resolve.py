@@ -1226,7 +1226,6 @@ def check_ops(res: Resolver) -> None:
         try:
             if op.stream:
                 res.stream(op.stream, False)
-            names = {p.name.id for p in op.params} | {o.name.id for o in op.outs}
             assigned = {t.id for st in op.body for t in st.targets}
             for o in op.outs:
                 if o.name.id not in assigned and o.name.id not in {p.name.id for p in op.params}:
