@@ -92,3 +92,14 @@ def test_graph_writes_dot(tmp_path):
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     assert text.startswith("digraph") and "comp2" in text
+
+
+def test_check_validates_train_settings_without_running(tmp_path):
+    src = open(os.path.join(EX, "mlp_digits.sched")).read()
+    src = src.replace("digits(test = 0.2, seed = 0)", 'npz("nothere.npz")').replace("epochs   = 40", "epochs = 2.5")
+    f = tmp_path / "tb.sched"
+    f.write_text(src)
+    p = run("check", str(f))
+    assert p.returncode == 1
+    assert "error[X002]" in p.stderr and "error[X004]" in p.stderr
+    assert "tb.sched:42:" in p.stderr and "tb.sched:43:" in p.stderr

@@ -35,6 +35,9 @@ def cmd_check(args) -> int:
         try:
             c = _compile(args, sources, path)
             all_diags.extend(c.diagnostics)
+            from streamsched.interp.train import check_train_settings
+
+            all_diags.extend(check_train_settings(c.program))
         except StreamschedError as e:
             all_diags.extend(e.diagnostics)
     errors = [d for d in all_diags if d.severity == "error"]

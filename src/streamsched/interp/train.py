@@ -292,6 +292,57 @@ def _check_output(path: Any, noun: str, flag: str | None, span, program_path: st
     return path
 
 
+def check_train_settings(program) -> list[Diagnostic]:
+    """What `streamsched check` can say about the `train` block without loading data or
+    training: whole-number epochs and seed, a known learning-rate schedule with valid arguments,
+    a known data source whose arguments bind and whose file or folder exists.  Diagnostics carry
+    the setting's span (X001, X002, X004)."""
+    from streamsched.interp.data import REQUIRED, SOURCES, bind_args
+    from streamsched.interp.data import _resolve_path as resolve_path
+
+    tv = dict(program.train)
+    spans = dict(program.train_spans)
+    diags: list[Diagnostic] = []
+
+    def attempt(fn) -> None:
+        try:
+            fn()
+        except StreamschedError as e:
+            diags.extend(e.diagnostics)
+
+    if "epochs" in tv:
+        attempt(lambda: _whole_number(tv["epochs"], "epochs", spans.get("epochs"), minimum=1, flag=None))
+    if "seed" in tv:
+        attempt(lambda: _whole_number(tv["seed"], "seed", spans.get("seed"), minimum=0, flag=None))
+    if "lr" in tv:
+        lname, largs, lkw = _call(tv["lr"], "constant")
+        attempt(lambda: make_schedule(lname, largs, lkw, 10 ** 9, spans.get("lr")))
+    if "data" in tv:
+        dname, dargs, dkw = _call(tv["data"], "digits")
+        span = spans.get("data")
+        base = os.path.dirname(os.path.abspath(program.path))
+
+        def data() -> None:
+            if dname == "digits":
+                a = bind_args("digits", (("test", 0.2), ("seed", 0)), dargs, dkw, span)
+                t = a["test"]
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < float(t) < 1.0:
+                    raise _x("X004", f"digits: `test` is the held-out fraction, between 0 and 1; got {t!r}", span,
+                             help="e.g. `digits(test = 0.2)`")
+            elif dname in ("idx", "npz"):
+                a = bind_args(dname, (("path", REQUIRED),), dargs, dkw, span)
+                path = resolve_path(dname, a["path"], base, span)
+                if not os.path.exists(path):
+                    raise _x("X002", f"{dname}: `{a['path']}` does not exist (looked for {path})", span,
+                             help="relative paths are relative to the .sched file's folder")
+            else:
+                raise _x("X001", f"unknown data source `{dname}`", span,
+                         help=f"known sources: {', '.join(SOURCES)}")
+
+        attempt(data)
+    return diags
+
+
 def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str = ".",
           echo: Callable[[str], None] | None = None) -> TrainResult:
     """Run the training loop of a compiled program; returns the history and final parameters.
