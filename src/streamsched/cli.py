@@ -28,6 +28,15 @@ def _compile(args, sources: SourceCache, path: str):
     return compile_file(path, policy=args.policy, capture=getattr(args, "capture", None), sources=sources)
 
 
+def _compiled_or_report(args, sources: SourceCache):
+    """Compile `args.file`; on P/S/C mistakes print them and return None (the caller exits 1)."""
+    try:
+        return _compile(args, sources, args.file)
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return None
+
+
 def cmd_check(args) -> int:
     sources = SourceCache()
     all_diags: list[Diagnostic] = []
@@ -54,10 +63,8 @@ def cmd_lower(args) -> int:
     from streamsched.interp.plan_text import format_plan
 
     sources = SourceCache()
-    try:
-        c = _compile(args, sources, args.file)
-    except StreamschedError as e:
-        _print_diags(e.diagnostics, sources, "text")
+    c = _compiled_or_report(args, sources)
+    if c is None:
         return 1
     if c.plan is not None:
         text = format_plan(c.plan, sources)
@@ -80,10 +87,8 @@ def cmd_graph(args) -> int:
     from streamsched.interp.draw import write_graph
 
     sources = SourceCache()
-    try:
-        c = _compile(args, sources, args.file)
-    except StreamschedError as e:
-        _print_diags(e.diagnostics, sources, "text")
+    c = _compiled_or_report(args, sources)
+    if c is None:
         return 1
     if c.plan is None:
         _print_diags(c.diagnostics, sources, "text")
@@ -157,10 +162,8 @@ def cmd_run(args) -> int:
 
 def cmd_trace(args) -> int:
     sources = SourceCache()
-    try:
-        c = _compile(args, sources, args.file)
-    except StreamschedError as e:
-        _print_diags(e.diagnostics, sources, "text")
+    c = _compiled_or_report(args, sources)
+    if c is None:
         return 1
     if not c.ok:
         _print_diags(c.diagnostics, sources, "text")

@@ -17,37 +17,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from streamsched.interp.cuda.device import check, cudart
+from streamsched.interp.cuda.device import graph_structure
 
 __all__ = ["write_captured_dot", "captured_program_dot", "graph_structure", "reachable"]
 
 # one colour per stream, in declaration order (the colours of draw.py's lanes, roughly)
 _PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
             "#ff9da7", "#9c755f", "#bab0ac")
-
-
-def graph_structure(graph) -> tuple[list[int], list[str], list[tuple[int, int]]]:
-    """Read a captured graph back: (node handles as ints, node type names without the
-    cudaGraphNodeType prefix, edges as (from handle, to handle))."""
-    rt = cudart()
-    g = int(getattr(graph, "graph", graph))
-    r = check(rt.cudaGraphGetNodes(g, 0), "cudaGraphGetNodes")
-    count = r[-1] if isinstance(r, tuple) else r
-    nodes: list = []
-    if count:
-        r = check(rt.cudaGraphGetNodes(g, count), "cudaGraphGetNodes")
-        nodes = list(r[0])
-    types = []
-    for nd in nodes:
-        t = check(rt.cudaGraphNodeGetType(nd), "cudaGraphNodeGetType")
-        types.append(getattr(t, "name", str(t)).replace("cudaGraphNodeType", ""))
-    r = check(rt.cudaGraphGetEdges(g, 0), "cudaGraphGetEdges")
-    n_edges = r[-1] if isinstance(r, tuple) else r
-    edges: list[tuple[int, int]] = []
-    if n_edges:
-        r = check(rt.cudaGraphGetEdges(g, n_edges), "cudaGraphGetEdges")
-        edges = [(int(a), int(b)) for a, b in zip(r[0], r[1])]
-    return [int(n) for n in nodes], types, edges
 
 
 def reachable(edges: Iterable[tuple[int, int]], sources: Iterable[int]) -> set[int]:

@@ -303,10 +303,11 @@ def _graph_handle(graph) -> int:
     return int(h)
 
 
-def graph_nodes_edges(graph) -> tuple[list[str], list[tuple[int, int]]]:
-    """Read a captured graph back: (node types, edges).  node types are cudaGraphNodeType names
-    without the prefix ("Kernel", "Memcpy", "MemAlloc", ...) in the order cudaGraphGetNodes
-    returns the nodes; edges are (from, to) indices into that list."""
+def graph_structure(graph) -> tuple[list[int], list[str], list[tuple[int, int]]]:
+    """Read a captured graph back: (node handles as ints, in cudaGraphGetNodes order; node type
+    names without the cudaGraphNodeType prefix: "Kernel", "Memcpy", "MemAlloc", ...; edges as
+    (from handle, to handle)).  Follows the CUDA Runtime API's cudaGraphGetNodes /
+    cudaGraphGetEdges / cudaGraphNodeGetType; raises CudaError on a failing call."""
     rt = cudart()
     g = _graph_handle(graph)
     r = check(rt.cudaGraphGetNodes(g, 0), "cudaGraphGetNodes")
@@ -315,20 +316,26 @@ def graph_nodes_edges(graph) -> tuple[list[str], list[tuple[int, int]]]:
     if count:
         r = check(rt.cudaGraphGetNodes(g, count), "cudaGraphGetNodes")
         nodes = list(r[0])
-    index = {int(nd): i for i, nd in enumerate(nodes)}
     types = []
     for nd in nodes:
         t = check(rt.cudaGraphNodeGetType(nd), "cudaGraphNodeGetType")
-        name = getattr(t, "name", str(t))
-        types.append(name.replace("cudaGraphNodeType", ""))
+        types.append(getattr(t, "name", str(t)).replace("cudaGraphNodeType", ""))
     r = check(rt.cudaGraphGetEdges(g, 0), "cudaGraphGetEdges")
-    n_edges = r[-1]
+    n_edges = r[-1] if isinstance(r, tuple) else r
     edges: list[tuple[int, int]] = []
     if n_edges:
         r = check(rt.cudaGraphGetEdges(g, n_edges), "cudaGraphGetEdges")
         frm, to = r[0], r[1]  # (from, to[, edgeData], count) across cuda-bindings 12/13
-        edges = [(index[int(a)], index[int(b)]) for a, b in zip(frm, to)]
-    return types, edges
+        edges = [(int(a), int(b)) for a, b in zip(frm, to)]
+    return [int(n) for n in nodes], types, edges
+
+
+def graph_nodes_edges(graph) -> tuple[list[str], list[tuple[int, int]]]:
+    """Read a captured graph back: (node types, edges), edges as (from, to) indices into the
+    node list of `graph_structure`."""
+    handles, types, edges = graph_structure(graph)
+    index = {h: i for i, h in enumerate(handles)}
+    return types, [(index[a], index[b]) for a, b in edges]
 
 
 def captured_dot(graph, path: str | None = None, verbose: bool = True) -> str:
