@@ -59,6 +59,12 @@ CASES = [
     ("conv2d_grad_w", [_f(4, 8, 8, 16), _f(4, 8, 8, 16)], {"kh": 3, "kw": 3, "pad": 1}, False),
     ("conv2d_grad_w", [_f(2, 5, 6, 2), _f(2, 2, 3, 3)], {"kh": 3, "kw": 2, "stride": 2}, False),
     ("conv2d_grad_w", [_f(1, 6, 5, 3), _f(1, 3, 3, 2)], {"kh": 3, "kw": 3, "stride": 2, "pad": 1}, False),
+    ("conv2d_grad_x", [_f(2, 4, 4, 3), _f(1, 1, 2, 3)], {"in_h": 4, "in_w": 4}, False),
+    ("conv2d_grad_w", [_f(2, 4, 4, 2), _f(2, 4, 4, 3)], {"kh": 1, "kw": 1}, False),
+    ("conv2d_grad_x", [_f(2, 5, 7, 3, dt=np.float64), _f(3, 2, 2, 3, dt=np.float64)],
+     {"pad": 1, "in_h": 5, "in_w": 6}, False),
+    ("conv2d_grad_w", [_f(2, 5, 6, 2, dt=np.float64), _f(2, 5, 7, 3, dt=np.float64)],
+     {"kh": 3, "kw": 2, "pad": 1}, False),
     ("sum_nhw", [_f(4, 8, 8, 16)], {}, False),
     ("sum_nhw", [_f(300, 7)], {}, False),
     ("maxpool2d", [_f(4, 8, 8, 16)], {}, True),
@@ -123,6 +129,19 @@ CASES = [
     ("update_scale", [_s(3e38), _s(0.0), _s(1999, np.int32)], {}, True),
     ("update_scale", [_s(8.0, np.float64), _s(0.0, np.float64), _s(1999.0, np.float64)], {}, True),
     ("update_scale", [_s(8.0), _s(np.nan), _s(5, np.int64)], {}, True),
+    ("nonfinite_check", [_f(3, 3, 16, 16, scale=1000, dt=np.float16), _s(0.0)], {}, True),
+    ("nonfinite_check", [np.array([1.0, np.inf, 4.0], np.float16), _s(0.0)], {}, True),
+    ("nonfinite_check", [np.array([1.0, 2.0, np.nan], np.float32), _s(0.0)], {}, True),
+    ("nonfinite_check", [_f(7), _s(1.0)], {}, True),
+    # f16 model copy and scaled gradient, f32 master and momentum (mixed precision)
+    ("amp_sgd_step", [_f(3, 3, 16, 16, dt=np.float16), _f(3, 3, 16, 16, scale=512, dt=np.float16),
+                      _f(3, 3, 16, 16), _f(3, 3, 16, 16, scale=0.1), _s(0.05), _s(1024.0), _s(0.0)],
+     {"weight_decay": 1e-4}, True),
+    ("amp_sgd_step", [_f(100, dt=np.float16), _f(100, dt=np.float16), _f(100), _f(100), _s(0.1),
+                      _s(8.0), _s(0.0)], {"momentum": 0.5, "nesterov": True}, True),
+    ("amp_sgd_step", [_f(10), _f(10), _f(10), _f(10), _s(0.1), _s(1.0), _s(0.0)], {"momentum": 0.0}, True),
+    ("amp_sgd_step", [_f(64, dt=np.float16), _f(64, dt=np.float16), _f(64), _f(64), _s(0.1), _s(2.0),
+                      _s(1.0)], {}, True),  # found_inf set: the step is skipped
 ]
 
 
@@ -196,6 +215,22 @@ def test_cuda_twin_matches_numpy(cp, ctx, case):
     _compare(got, want, exact, name)
 
 
+@pytest.mark.parametrize("path", ["gemm", "direct"])
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0].startswith("conv2d")],
+                         ids=lambda i: f"{i}-{CASES[i][0]}")
+def test_both_conv_paths_match_numpy_and_are_deterministic(cp, ctx, monkeypatch, case, path):
+    """conv2d[_grad_x|_grad_w] take im2col/col2im + cuBLAS or, for small problems, the direct
+    kernels: each path alone against the NumPy twin, and bitwise the same on both streams."""
+    from streamsched.stdlib import cuda_kernels
+
+    name, ins, attrs, _ = CASES[case]
+    monkeypatch.setitem(cuda_kernels.CUDA_KERNELS, name, getattr(cuda_kernels, f"_{name}_{path}"))
+    got = _device(cp, ctx, name, ins, attrs, stream="s0")
+    _compare(got, _numpy(name, ins, attrs), False, name)
+    again = _device(cp, ctx, name, ins, attrs, stream="s1")
+    assert got[0].tobytes() == again[0].tobytes(), name
+
+
 @pytest.mark.parametrize("case", [i for i, c in enumerate(CASES)
                                   if any(o in KERNELS[c[0]].inputs for o in KERNELS[c[0]].outputs)],
                          ids=lambda i: f"{i}-{CASES[i][0]}")
@@ -237,7 +272,11 @@ def test_fp16_activations_through_dropout_and_batchnorm(cp, ctx):
     for name, ins, attrs in (("dropout", [x, _s(4, np.int64)], {"p": 0.2, "seed": 3}),
                              ("batchnorm_train", [x, _pos(6), _f(6)], {}),
                              ("maxpool2d", [x], {}),
-                             ("conv2d", [x, _f(3, 3, 6, 4, dt=np.float16)], {"pad": 1})):
+                             ("conv2d", [x, _f(3, 3, 6, 4, dt=np.float16)], {"pad": 1}),
+                             ("conv2d_grad_x", [_f(8, 4, 4, 5, dt=np.float16), _f(3, 3, 6, 5, dt=np.float16)],
+                              {"pad": 1, "in_h": 4, "in_w": 4}),
+                             ("conv2d_grad_w", [x, _f(8, 2, 2, 5, dt=np.float16)],
+                              {"kh": 3, "kw": 3, "stride": 2, "pad": 1})):
         want = _numpy(name, ins, attrs)
         got = _device(cp, ctx, name, ins, attrs)
         _compare(got, want, name == "maxpool2d", name)
@@ -296,9 +335,11 @@ def test_captured_conv_bn_dropout_replays_draw_new_masks_without_allocating(cp, 
             step()
         finally:
             graph = st.end_capture()
-    assert pool.used_bytes() == 0 and pool.total_bytes() == 0
+    # conv2d's im2col temporary comes from the capture's private pool and is back in it when the
+    # capture ends (owned by the graph, never handed to an eager array); nothing else allocates.
+    assert pool.used_bytes() == 0
     types = _graph_types(graph)
-    assert types.count("Kernel") == 4, types
+    assert types.count("Kernel") >= 5, types  # conv2d: im2col + the cuBLAS GEMM kernel(s)
     assert not [t for t in types if t.startswith("Mem") and t not in ("Memcpy", "Memset")], types
 
     ref = _numpy("conv2d", [x_h, w_h], {"pad": 1})[0]

@@ -171,3 +171,52 @@ def test_write_captured_dot(gpu, tmp_path):
         assert f.read() == text
     assert text.count("subgraph cluster_g") >= 1
     assert "sgd_step" in text and "->" in text
+
+
+def _amp_text(scale: str | None = None) -> str:
+    with open(os.path.join(EXAMPLES, "resnet_digits_amp.sched"), encoding="utf-8") as f:
+        text = f.read()
+    if scale is not None:
+        text = text.replace("loss_scale : f32[] = 65536", f"loss_scale : f32[] = {scale}")
+    return text
+
+
+def test_mixed_precision_on_cuda_follows_the_cpu(gpu):
+    """examples/resnet_digits_amp.sched, 20 captured steps: the same steps are skipped (the loss
+    scale and its growth tracker agree exactly) and the f16 model stays close to the CPU's (f16
+    rounding in a different summation order: relative 5e-2 on the weights)."""
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    path = os.path.join(EXAMPLES, "resnet_digits_amp.sched")
+    res = {}
+    for backend in ("cpu", "cuda"):
+        c = compile_file(path, _amp_text(), capture="step")
+        res[backend] = train(c, TrainOptions(backend=backend, max_steps=20, progress=False), base_dir=EXAMPLES)
+    cpu, cuda = res["cpu"], res["cuda"]
+    assert float(cuda.params["loss_scale"]) == float(cpu.params["loss_scale"])
+    assert int(cuda.params["good_steps"]) == int(cpu.params["good_steps"])
+    assert cuda.params["c1.w"].dtype == np.float16 and cuda.params["sgd_amp.master.c1.w"].dtype == np.float32
+    np.testing.assert_array_equal(cuda.params["c1.w"], cuda.params["sgd_amp.master.c1.w"].astype(np.float16))
+    worst = {n: rel_diff(cuda.params[n], cpu.params[n]) for n in cpu.params if ".w" in n or "gamma" in n}
+    bad = {n: d for n, d in worst.items() if not d <= 5e-2}
+    assert not bad, f"relative differences above 5e-2: {bad}"
+    a, b = cpu.history[-1]["train_loss"], cuda.history[-1]["train_loss"]
+    assert abs(a - b) <= 2e-2 * max(1.0, abs(a))
+
+
+def test_mixed_precision_on_cuda_skips_overflowing_steps(gpu):
+    """A loss scale of 2^100 overflows every f16 gradient: three captured steps change no weight,
+    no master weight and no momentum, and halve the scale three times."""
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    path = os.path.join(EXAMPLES, "resnet_digits_amp.sched")
+    text = _amp_text("1267650600228229401496703205376")
+    init = train(compile_file(path, text), TrainOptions(backend="cpu", max_steps=0, progress=False),
+                 base_dir=EXAMPLES).params
+    res = train(compile_file(path, text, capture="step"),
+                TrainOptions(backend="cuda", max_steps=3, progress=False), base_dir=EXAMPLES)
+    assert float(res.params["loss_scale"]) == 2.0 ** 97
+    for n in ("c1.w", "c3.w", "logits.w", "b2.gamma", "sgd_amp.master.c2.w", "sgd_amp.v.logits.w"):
+        np.testing.assert_array_equal(res.params[n], init[n])

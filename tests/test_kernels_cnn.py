@@ -43,7 +43,7 @@ def _f(*shape, seed=0):
 
 def test_every_cnn_kernel_is_registered_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
-    assert len(kc.CNN_KERNELS) == 23
+    assert len(kc.CNN_KERNELS) == 25
     for name in kc.CNN_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host, name
@@ -507,6 +507,57 @@ def test_update_scale_backs_off_on_inf_and_grows_after_interval_good_steps():
     assert s2 == big and g2 == 0
 
 
+def test_nonfinite_check_sets_the_flag_and_never_clears_it():
+    found = np.array(0.0, np.float32)
+    g = np.array([1.0, 65504.0, -2.0], np.float16)
+    kernel("nonfinite_check").cpu([g, found], [found], {})
+    assert found == 0.0 and g.tolist() == [1.0, 65504.0, -2.0]  # the gradient is untouched
+    for bad in (np.inf, -np.inf, np.nan):
+        found[...] = 0.0
+        kernel("nonfinite_check").cpu([np.array([1.0, bad], np.float16), found], [found], {})
+        assert found == 1.0
+    kernel("nonfinite_check").cpu([np.ones(3, np.float16), found], [found], {})
+    assert found == 1.0
+
+
+def test_amp_sgd_step_is_sgd_on_the_unscaled_gradient_of_the_master_weights():
+    """Against the f32 SGD kernel on dw / scale: the master follows it exactly, w is its f16
+    rounding; and an overflow anywhere (found_inf) leaves w, master and v untouched."""
+    rng = np.random.default_rng(7)
+    master = rng.standard_normal(50).astype(np.float32)
+    w = master.astype(np.float16)
+    v = (0.1 * rng.standard_normal(50)).astype(np.float32)
+    scale = np.array(1024.0, np.float32)
+    dw16 = (rng.standard_normal(50) * 1024).astype(np.float16)
+    lr = np.array(0.05, np.float32)
+    at = {"momentum": 0.9, "weight_decay": 1e-3, "nesterov": True}
+    ref_w, ref_v = master.copy(), v.copy()
+    kernel("sgd_step").cpu([ref_w, dw16.astype(np.float32) / np.float32(1024), ref_v, lr],
+                           [ref_w, ref_v], at)
+    w1, m1, v1 = run("amp_sgd_step", [w, dw16, master, v, lr, scale, np.array(0.0, np.float32)], at)
+    np.testing.assert_array_equal(m1, ref_w)
+    np.testing.assert_array_equal(v1, ref_v)
+    assert w1.dtype == np.float16
+    np.testing.assert_array_equal(w1, ref_w.astype(np.float16))
+    assert not np.array_equal(m1, master)
+    w2, m2, v2 = run("amp_sgd_step", [w, dw16, master, v, lr, scale, np.array(1.0, np.float32)], at)
+    np.testing.assert_array_equal(w2, w)
+    np.testing.assert_array_equal(m2, master)
+    np.testing.assert_array_equal(v2, v)
+
+
+def test_amp_sgd_step_types():
+    t = infer_types("amp_sgd_step", [((3, 4), "f16"), ((3, 4), "f16"), ((3, 4), "f32"), ((3, 4), "f32"),
+                                     ((), "f32"), ((), "f32"), ((), "f32")], {})
+    assert t == [((3, 4), "f16"), ((3, 4), "f32"), ((3, 4), "f32")]
+    with pytest.raises(KernelTypeError, match="dtypes differ"):  # the gradient is in w's dtype
+        infer_types("amp_sgd_step", [((3,), "f16"), ((3,), "f32"), ((3,), "f32"), ((3,), "f32"),
+                                     ((), "f32"), ((), "f32"), ((), "f32")], {})
+    with pytest.raises(KernelTypeError, match="scalar"):
+        infer_types("amp_sgd_step", [((3,), "f16"), ((3,), "f16"), ((3,), "f32"), ((3,), "f32"),
+                                     ((), "f32"), ((3,), "f32"), ((), "f32")], {})
+
+
 # ---------------------------------------------------------------------------------------------
 # Aliasing: outputs that are inputs, and views into one shared byte arena
 
@@ -538,6 +589,9 @@ SAMPLES = {  # a valid float64 call of every kernel here
     "scale_loss": ([_f(3), np.array(8.0)], {}),
     "unscale_check": ([np.array([1.0, np.inf, 3.0]), np.array(8.0), np.array(0.0)], {}),
     "update_scale": ([np.array(8.0), np.array(0.0), np.array(1999.0)], {}),
+    "nonfinite_check": ([np.array([1.0, np.nan, 3.0]), np.array(0.0)], {}),
+    "amp_sgd_step": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), _f(3, 4, seed=3), np.array(0.1),
+                      np.array(4.0), np.array(0.0)], {"weight_decay": 0.01}),
 }
 
 
@@ -572,7 +626,7 @@ def test_an_output_may_be_an_input(key, out, inp):
 def test_in_place_updates_equal_fresh_outputs():
     """The updates as the stdlib will write them: every output into its like-named input."""
     for name in ("batchnorm_stats_update", "lars_step", "ema_update", "unscale_check",
-                 "update_scale", "offset_advance"):
+                 "update_scale", "offset_advance", "nonfinite_check", "amp_sgd_step"):
         k = kernel(name)
         _, ins, attrs = _sample(name)
         fresh = run(name, [i.copy() for i in ins], attrs)

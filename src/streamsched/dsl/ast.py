@@ -87,7 +87,8 @@ class TypeExpr:
     """`f32[batch, 64]`; dims are expressions over model parameters and dimension variables."""
 
     dtype: Name
-    dims: tuple[Expr, ...]
+    dims: tuple[Expr, ...] | None
+    """None for a bare dtype (`state master : f32` in an optimizer op: the parameter's shape)."""
     span: Span | None = _span()
 
 
@@ -205,7 +206,9 @@ class CopyStmt:
 
 @dataclass(frozen=True)
 class ClearStmt:
-    call: Call
+    """`clear grad(m)` (every gradient of m) or `clear NAME` (one device buffer, e.g. a state)."""
+
+    call: Call | Name
     span: Span | None = _span()
 
 
@@ -217,8 +220,12 @@ class ForwardStmt:
 
 @dataclass(frozen=True)
 class BackwardStmt:
+    """`backward m` or `backward m * s`: the derived backward, its gradient seed d(loss) the
+    device scalar `s` (the dynamic loss scale) instead of 1."""
+
     model: Name
     span: Span | None = _span()
+    scale: Name | None = None
 
 
 @dataclass(frozen=True)
@@ -301,12 +308,32 @@ class Barriers:
 
 
 @dataclass(frozen=True)
+class StateDecl:
+    """`loss_scale : f32[] = 65536` in a `state { }` block: a device buffer of the file, outside every model,
+    initialized once (a number, or an init name such as zeros), checkpointed, read and written by
+    graph statements."""
+
+    name: Name
+    type: TypeExpr
+    init: Expr | None
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class StateBlock:
+    """`state { NAME : TYPE = INIT ... }`."""
+
+    decls: tuple[StateDecl, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
 class Include:
     path: str
     span: Span | None = _span()
 
 
-Item = Union[Streams, OpDef, Place, ModelDef, GraphDef, StepDef, TrainBlock, Barriers, Include]
+Item = Union[Streams, OpDef, Place, ModelDef, GraphDef, StepDef, TrainBlock, Barriers, Include, StateBlock]
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def backward_stmt(self, meta, ch):
-        return A.BackwardStmt(ch[0], self._sp(meta))
+        return A.BackwardStmt(ch[0], self._sp(meta), ch[1])
 
     @v_args(meta=True)
     def upload_stmt(self, meta, ch):
@@ -282,6 +282,18 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def barriers_stmt(self, meta, ch):
         return A.Barriers(ch[0], self._sp(meta))
+
+    @v_args(meta=True)
+    def state_decl(self, meta, ch):
+        return A.StateDecl(ch[0], ch[1], ch[2], self._sp(meta))
+
+    @v_args(meta=True)
+    def state_block(self, meta, ch):
+        return A.StateBlock(tuple(ch), self._sp(meta))
+
+    @v_args(meta=True)
+    def bare_type(self, meta, ch):
+        return A.TypeExpr(ch[0], None, self._sp(meta))
 
     @v_args(meta=True)
     def include_stmt(self, meta, ch):

@@ -96,7 +96,8 @@ class ModelInfo:
 class Program:
     """The resolved program.  buffers: every buffer (slotted ones once per slot, named `x[a]`);
     inits: buffer -> init spec ("zeros" | "ones" | "glorot" | "normal" ...); train: the `train`
-    block's evaluated items plus their spans; host_values: the host scalars uploaded each step."""
+    block's evaluated items plus their spans; host_values: the host scalars uploaded each step;
+    loss_scale: the device scalar seeding the backward (`backward M * S`), "" when unscaled."""
 
     path: str
     streams: tuple[tuple[str, str], ...]
@@ -112,6 +113,7 @@ class Program:
     capture: str
     host_values: tuple[str, ...] = ()
     text_hash: str = ""
+    loss_scale: str = ""
     user_ops: tuple = field(default=(), compare=False, repr=False)
 
     def graph(self, name: str) -> GraphInfo:

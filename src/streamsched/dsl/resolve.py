@@ -24,6 +24,13 @@ POLICIES = ("auto", "chain", "explicit")
 CAPTURES = ("none", "graphs", "step")
 INITS = ("zeros", "ones", "glorot", "he", "normal", "uniform")
 KNOWN_HOST_VALUES = ("lr", "step")
+FLOAT_DTYPES = ("f16", "bf16", "f32", "f64")
+
+
+def is_dtype_var(name: str) -> bool:
+    """A dtype variable in an op signature is a single capital letter (`x : T[n, k]`): it binds to
+    the dtype of the first typed input it appears in, as dimension variables bind to sizes."""
+    return len(name) == 1 and "A" <= name <= "Z"
 TRAIN_KEYS = ("model", "data", "epochs", "lr", "capture", "barriers", "seed", "log")
 
 
@@ -85,6 +92,8 @@ class Resolver:
         self._poisoned: set[str] = set()
         self.broken_models: set[str] = set()  # models whose mistakes were reported; no follow-ups
         self.runs: dict[str, Span | None] = {}  # ForwardStmt / BackwardStmt / optimizer -> a span
+        self.state_decls: dict[str, A.StateDecl] = {}  # `state { NAME : TYPE = INIT }`
+        self.loss_scale = ""  # the device scalar a `backward M * S` seeds the backward with
 
     # ------------------------------------------------------------------ helpers
     def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
@@ -153,7 +162,7 @@ class Resolver:
                 elif isinstance(item, A.TrainBlock):
                     if item.name.id != "train":
                         self.err("S016", f"unknown block `{item.name.id}`", item.name.span,
-                                 help="top-level blocks are streams, op, place, model, graph, step, train, barriers, include")
+                                 help="top-level blocks are streams, state, op, place, model, graph, step, train, barriers, include")
                         continue
                     if self.train is not None:
                         self.err("S002", "the `train` block appears twice", item.name.span)
@@ -161,6 +170,9 @@ class Resolver:
                     self.train = item
                 elif isinstance(item, A.Barriers):
                     self.barriers = item
+                elif isinstance(item, A.StateBlock):
+                    for d in item.decls:
+                        self.unique(self.state_decls, d.name, d, "state")
         if not self.streams and not any(isinstance(i, A.Streams) for f in self.files for i in f.items):
             first = self.files[-1].items[0].span if self.files and self.files[-1].items else None
             self.err("S001", "no streams are declared", first,
@@ -292,10 +304,23 @@ class Resolver:
     def unify(self, t: A.TypeExpr, actual: tuple[tuple[int, ...], str], dims: dict[str, int], what: str,
               at: Span | None, decl: Span | None, code_shape="S003") -> None:
         shape, dtype = actual
-        if t.dtype.id != dtype:
+        if is_dtype_var(t.dtype.id):
+            key = "$" + t.dtype.id
+            if key not in dims:
+                if dtype not in FLOAT_DTYPES:
+                    self.fail("S004", f"{what} has dtype {dtype}, but the dtype variable `{t.dtype.id}` stands "
+                              f"for a float dtype ({', '.join(FLOAT_DTYPES)})", at,
+                              labels=[Label(decl, "required here")] if decl else [])
+                dims[key] = dtype
+            elif dims[key] != dtype:
+                self.fail("S004", f"{what} has dtype {dtype}, but `{t.dtype.id}` is {dims[key]} (bound by an "
+                          f"earlier argument)", at, labels=[Label(decl, "required here")] if decl else [])
+        elif t.dtype.id != dtype:
             self.fail("S004", f"{what} has dtype {dtype}, but `{t.dtype.id}` is required",
                       at, labels=[Label(decl, "required here")] if decl else [],
                       help="labels are integer class indices (i32)" if t.dtype.id.startswith("i") else "")
+        if t.dims is None:
+            return
         if len(t.dims) != len(shape):
             self.fail(code_shape, f"{what} has shape {list(shape)}, but {len(t.dims)} dimensions are required",
                       at, labels=[Label(decl, "declared here")] if decl else [])
@@ -311,16 +336,30 @@ class Resolver:
                           f"{why}, not {actual_d}", at,
                           labels=[Label(decl, "declared here")] if decl else [])
 
-    def type_shape(self, t: A.TypeExpr, dims: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+    def type_dtype(self, t: A.TypeExpr, dims: dict[str, Any]) -> str:
+        """The dtype of `t`: a known dtype, or a dtype variable (`T`) bound in `dims`."""
+        if is_dtype_var(t.dtype.id):
+            if "$" + t.dtype.id not in dims:
+                self.fail("S004", f"the dtype variable `{t.dtype.id}` is not bound by any input", t.dtype.span,
+                          help="a dtype variable takes the dtype of the typed input it first appears in")
+            return dims["$" + t.dtype.id]
         if t.dtype.id not in DTYPE_BYTES:
-            self.fail("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span, help=f"dtypes: {', '.join(DTYPE_BYTES)}")
+            self.fail("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span,
+                      help=f"dtypes: {', '.join(DTYPE_BYTES)}; a single capital letter (`T`) is a dtype variable")
+        return t.dtype.id
+
+    def type_shape(self, t: A.TypeExpr, dims: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+        dtype = self.type_dtype(t, dims)
+        if t.dims is None:
+            self.fail("S015", f"`{t.dtype.id}` needs a shape here: `{t.dtype.id}[...]` (`{t.dtype.id}[]` for a scalar)",
+                      t.span)
         shape = []
         for d in t.dims:
             v = self.const(d, dims)
             if not isinstance(v, int) or v <= 0:
                 self.fail("S003", f"dimension must be a positive integer, got {v!r}", d.span)
             shape.append(v)
-        return tuple(shape), t.dtype.id
+        return tuple(shape), dtype
 
     def expand_op(self, op: A.OpDef, bind: dict[str, str], attrs: dict[str, Any], out: list[TaskTemplate],
                   op_id: int, prefix: str, label: str, call_span: Span | None, need: set[str] | None = None,
@@ -558,6 +597,8 @@ class Resolver:
                     for t in st.targets:
                         values.pop(t.id, None)
                         poisoned.add(t.id)
+                elif isinstance(st, A.InputDecl):
+                    poisoned.add(st.name.id)
                 continue
         if not calls or had_error:
             raise _Abort()
@@ -586,12 +627,12 @@ class Resolver:
         if grads:
             self.fail("S015", f"`{op.name}` is an optimizer op; call it in a graph body on a model", name.span)
         # Free dimensions: named in param/output types but not in input types.
-        in_dims = {d.name.id for p in ins if p.type for d in p.type.dims if isinstance(d, A.Var)}
+        in_dims = {d.name.id for p in ins if p.type for d in (p.type.dims or ()) if isinstance(d, A.Var)}
         free: list[str] = []
         for t in [p.type for p in prm + states] + [o.type for o in op.outs]:
             if t is None:
                 continue
-            for d in t.dims:
+            for d in t.dims or ():
                 if isinstance(d, A.Var) and d.name.id not in in_dims and d.name.id not in free:
                     free.append(d.name.id)
         slots_ = [p.name.id for p in ins] + free + [a.name.id for a in attrs]
@@ -826,6 +867,8 @@ class Resolver:
                     self.model_ref(st.model, model_name)
                     self.runs[type(st).__name__] = st.span
                     src = fwd if isinstance(st, A.ForwardStmt) else bwd
+                    if isinstance(st, A.BackwardStmt) and st.scale is not None:
+                        src = self.scaled_backward(st, bwd)
                     base = len(out)
                     derived = isinstance(st, A.BackwardStmt)
                     last_writer: dict[str, int] = {}
@@ -872,6 +915,32 @@ class Resolver:
         slotted = any(SLOT in n for t in out for n in t.args + t.outs)
         return GraphInfo(g.name.id, home, tuple(s.id for s in g.slots), tuple(out), slotted, g.span)
 
+    def declare_states(self) -> None:
+        """`state { NAME : TYPE = INIT }`: device buffers outside every model (the loss
+        scale, an overflow flag), initialized once, checkpointed."""
+        for name, d in self.state_decls.items():
+            try:
+                if name in self.buffers or name in KNOWN_HOST_VALUES:
+                    what = "a host value" if name in KNOWN_HOST_VALUES else "already a buffer of the model"
+                    self.fail("S002", f"`state {name}`: `{name}` is {what}", d.name.span,
+                              help="give the state another name")
+                shape, dtype = self.type_shape(d.type, {})
+                init = "zeros"
+                if isinstance(d.init, A.Var) and d.init.name.id in INITS:
+                    init = d.init.name.id
+                elif d.init is not None:
+                    v = self.const(d.init, {})
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        self.fail("S015", f"`state {name}` starts as a number or an init "
+                                  f"({', '.join(INITS)}), not {v!r}", d.init.span)
+                    if dtype not in FLOAT_DTYPES and float(v) != int(v):
+                        self.fail("S004", f"`state {name}` is {dtype}, but its initial value {v!r} is not an "
+                                  f"integer", d.init.span)
+                    init = f"const:{v!r}"
+                self.add_buffer(name, shape, dtype, "state", d.span, init=init)
+            except _Abort:
+                continue
+
     def model_ref(self, m: A.Name, model_name: str) -> None:
         """A graph names the trained model; stay quiet when that model already failed (its own
         diagnostics say why) instead of repeating the mistake as "unknown model"."""
@@ -884,7 +953,32 @@ class Resolver:
                       help="the `train` block's `model` says which model the graphs run")
         self.fail("S013", f"unknown model `{m.id}`", m.span, help=f"models: {', '.join(self.models) or 'none'}")
 
-    def graph_call_targets(self, call: A.Call, model_name: str) -> list[str]:
+    def scaled_backward(self, st: A.BackwardStmt, bwd: list[TaskTemplate]) -> list[TaskTemplate]:
+        """`backward M * S`: the backward with its gradient seed d(loss) read from the device
+        scalar S (dynamic loss scaling: every gradient comes out multiplied by S) instead of 1."""
+        sname = st.scale
+        if sname.id not in self.buffers or self.buffers[sname.id].kind not in ("state", "scalar"):
+            self.fail("S007", f"`backward {st.model.id} * {sname.id}`: no device scalar `{sname.id}`", sname.span,
+                      help=f"declare it at the top level: `state {{ {sname.id} : f32[] = 65536 }}`")
+        have = self.btype(sname.id)
+        seed = self.btype("d.loss")
+        if have[0] != ():
+            self.fail("S003", f"the loss scale `{sname.id}` must be a scalar (shape []), not {list(have[0])}",
+                      sname.span)
+        if have[1] not in FLOAT_DTYPES:
+            self.fail("S004", f"the loss scale `{sname.id}` is {have[1]}; it must be a float dtype (the loss is "
+                      f"{seed[1]})", sname.span)
+        self.loss_scale = sname.id
+        return [replace(t, args=tuple(sname.id if a == "d.loss" else a for a in t.args)) for t in bwd]
+
+    def graph_call_targets(self, call: A.Call | A.Name, model_name: str) -> list[str]:
+        if isinstance(call, A.Name):
+            b = self.buffers.get(call.id)
+            if b is None or b.space != "device" or b.kind == "staging":
+                self.fail("S007", f"`clear {call.id}`: no device buffer `{call.id}`", call.span,
+                          help="`clear grad(MODEL)` zeroes a model's gradients; `clear NAME` one buffer, "
+                               "such as a `state { }` declaration")
+            return [call.id]
         if call.func.id != "grad" or len(call.args) != 1 or not isinstance(call.args[0], A.Var):
             self.fail("S015", "`clear` takes `grad(MODEL)`", call.span)
         self.model_ref(call.args[0].name, model_name)
@@ -928,7 +1022,7 @@ class Resolver:
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
         args = list(st.call.args)
-        per_param = bool(prm)
+        per_param = bool(prm or grads)
         if per_param:
             self.runs.setdefault("optimizer", st.span)
             if args and isinstance(args[0], A.Var):
@@ -979,15 +1073,19 @@ class Resolver:
             bind = dict(base)
             if pbuf is not None:
                 shp, dt = self.btype(pbuf)
-                bind[prm[0].name.id] = pbuf
+                if prm:
+                    bind[prm[0].name.id] = pbuf
                 for gp in grads:
                     bind[gp.name.id] = f"grad.{pbuf}"
                 for sp in states:
                     sname = f"{op.name}.{sp.name.id}.{pbuf}"
                     init = "zeros"
                     if isinstance(sp.default, A.Var) and sp.default.name.id == "copy":
-                        init = f"copy:{pbuf}"  # starts as a copy of the parameter (an EMA)
-                    self.add_buffer(sname, shp, dt, "state", sp.span, init=init)
+                        init = f"copy:{pbuf}"  # starts as a copy of the parameter (an EMA, a master copy)
+                    # `state master : f32`: the parameter's shape in its own dtype (f32 master
+                    # weights of an f16 model)
+                    sdt = self.type_dtype(sp.type, {}) if sp.type is not None and sp.type.dims is None else dt
+                    self.add_buffer(sname, shp, sdt, "state", sp.span, init=init)
                     bind[sp.name.id] = sname
             bind["__attrs__"] = attr_vals
             tag = pbuf or op.name
@@ -1156,6 +1254,7 @@ class Resolver:
                 fwd, bwd, self.model_info = self.expand_model(model_ast, copies_inputs and bool(self.slots))
             except _Abort:
                 self.broken_models.add(model_ast.name.id)
+        self.declare_states()
         # Check every op body where it is defined, used or not (LANGUAGE.md, "Barrier policies").
         graphs: dict[str, GraphInfo] = {}
         for i, g in enumerate(self.graphs_ast.values()):
@@ -1187,7 +1286,8 @@ class Resolver:
             raise StreamschedError(self.diags)
         return Program(path, tuple((n, r) for n, (r, _) in self.streams.items()), tuple(self.buffers.values()),
                        tuple(self.inits.items()), tuple(graphs.values()), step, self.slots, self.model_info,
-                       train_vals, train_spans, pol, cap, tuple(sorted(self.uploads)))
+                       train_vals, train_spans, pol, cap, tuple(sorted(self.uploads)),
+                       loss_scale=self.loss_scale)
 
 
 def _type_text(t: A.TypeExpr) -> str:
@@ -1198,6 +1298,8 @@ def _type_text(t: A.TypeExpr) -> str:
             return str(e.value)
         return "?"
 
+    if t.dims is None:
+        return t.dtype.id
     return f"{t.dtype.id}[{', '.join(d(x) for x in t.dims)}]"
 
 

@@ -25,7 +25,7 @@ from streamsched.interp.data import Batches, check_compatible, load_dataset
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import make_schedule
 from streamsched.pipeline import Compiled
-from streamsched.stdlib.kernels import KERNELS
+from streamsched.stdlib.kernels import KERNELS, numpy_dtype
 
 
 class TaskFailedError(Exception):
@@ -83,7 +83,8 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
     """Initial values of every buffer with an init (params, optimizer state, constants).
 
     glorot: uniform(-l, l), l = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio, 2010);
-    copy:P: the initial value of parameter P (an EMA of P starts at P);
+    copy:P: the initial value of parameter P (an EMA of P starts at P; f32 master weights of an
+    f16 parameter start at its value), in the buffer's own dtype; const:V: V everywhere;
     he: normal(0, sqrt(2 / fan_in)); normal: N(0, 0.01); zeros; ones.  A 1-D or scalar param
     named glorot/he is zero-initialized (biases).  Deterministic in `seed`.
     """
@@ -93,8 +94,10 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
     copies = [(n, i) for n, i in program.inits if i.startswith("copy:")]
     for name, init in [(n, i) for n, i in program.inits if not i.startswith("copy:")]:
         b = bufs[name]
-        dt = np.float32 if b.dtype == "f32" else np.float64 if b.dtype == "f64" else np.float16
-        if init == "ones":
+        dt = numpy_dtype(b.dtype)
+        if init.startswith("const:"):  # `state s : f32[] = 65536`
+            v = np.full(b.shape, float(init[6:]))
+        elif init == "ones":
             v = np.ones(b.shape, dt)
         elif init in ("glorot", "he", "uniform") and len(b.shape) >= 2:
             fan_in, fan_out = b.shape[0], b.shape[-1]
@@ -108,8 +111,8 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
         else:
             v = np.zeros(b.shape)
         out[name] = v.astype(dt)
-    for name, init in copies:  # state that starts as a copy of a parameter (weight EMA)
-        out[name] = out[init[5:]].copy()
+    for name, init in copies:  # state that starts as a copy of a parameter (EMA, f32 master)
+        out[name] = out[init[5:]].astype(numpy_dtype(bufs[name].dtype))
     return out
 
 
@@ -508,6 +511,8 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
             params = {n: runner.read(n) for n in saved}  # params and state (running statistics)
             rec = {"epoch": e, "step": e * spe + len(losses), "train_loss": float(np.mean(losses)) if losses else float("nan"),
                    "lr": lr_sched(min((e + 1) * spe - 1, total - 1)), "time_s": round(time.perf_counter() - t0, 3)}
+            if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
+                rec["loss_scale"] = float(runner.read(program.loss_scale))
             if (e + 1) % opts.eval_every == 0 or e == epochs - 1:
                 tl, acc = evaluate(program, params, ds.x_test, ds.y_test)
                 rec.update(test_loss=tl, test_acc=acc)

@@ -9,7 +9,9 @@ Outputs are preallocated; an output may be the very array of an input (in-place 
 Capture rules kept here (CUDA_PITFALLS.md): GEMMs go through the context's per-stream cuBLAS
 handle (rule 1), copies through cudaMemcpyAsync (rule 8), nothing allocates from a memory pool
 (custom Elementwise/Reduction/Raw kernels with outputs given; no CUB; the one scratch, the
-per-row losses of softmax_xent, is made before capture outside every pool: see `_xent_rows`),
+per-row losses of softmax_xent, is made before capture outside every pool: see `_xent_rows`;
+the convolutions' im2col / col2im temporaries are the exception: they come from the current
+pool, under the executor the captured graph's own: see `_conv2d_gemm`),
 and step-varying scalars (lr, t, dloss) are read from device memory inside the kernels, never
 turned into Python floats (rule 3).  Every reduction has a fixed order (no atomics): results are
 bitwise the same from run to run.  Compile-time attributes (alpha, momentum, ...) are kernel arguments and are frozen
@@ -162,7 +164,7 @@ extern "C" __global__ void ss_xent_rows(const T_t* logits, const L_t* labels, do
 
 // loss = sum(rowloss) / n: one block (a power of two of threads, <= 1024); thread t adds rows
 // t, t + B, ... in that order, then a fixed tree in shared memory: bitwise deterministic.
-extern "C" __global__ void ss_xent_mean(const double* rowloss, T_t* loss, int n) {
+extern "C" __global__ void ss_xent_mean(const double* rowloss, D_t* loss, int n) {
     __shared__ double part[1024];
     int t = threadIdx.x, B = blockDim.x;
     double acc = 0.0;
@@ -178,11 +180,11 @@ extern "C" __global__ void ss_xent_mean(const double* rowloss, T_t* loss, int n)
         if (t < s) part[t] += part[t + s];
         __syncthreads();
     }
-    if (t == 0) loss[0] = (T_t)(A_t)(part[0] / n);
+    if (t == 0) loss[0] = (D_t)(A_t)(part[0] / n);
 }
 
 // dlogits = dloss * (softmax(z) - onehot(label)) / n; g lanes per row, softmax recomputed.
-extern "C" __global__ void ss_xent_bwd(const T_t* dloss, const T_t* logits, const L_t* labels,
+extern "C" __global__ void ss_xent_bwd(const D_t* dloss, const T_t* logits, const L_t* labels,
                                        T_t* dlogits, int n, int c, int g, int lg) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long i = t >> lg;
@@ -316,21 +318,24 @@ def _module(key: tuple, src: str, defines: str = ""):
     return mod
 
 
-def _xent_module(dtype, ltype):
-    dt, lt = str(dtype), str(ltype)
-    if dt not in _CTYPES or lt not in _LTYPES:
-        raise NotImplementedError(f"softmax_xent: dtypes {dtype}/{ltype} not supported")
-    return _module(("xent", dt, lt), _XENT_SRC, f"typedef {_LTYPES[lt]} L_t;\n")
+def _xent_module(dtype, ltype, dltype):
+    """The softmax_xent module for logits `dtype` (T_t), labels `ltype` (L_t) and loss/dloss
+    `dltype` (D_t: f32 for f16 logits under mixed precision)."""
+    dt, lt, dl = str(dtype), str(ltype), str(dltype)
+    if dt not in _CTYPES or lt not in _LTYPES or dl not in _CTYPES:
+        raise NotImplementedError(f"softmax_xent: dtypes {dtype}/{ltype}/{dltype} not supported")
+    return _module(("xent", dt, lt, dl), _XENT_SRC,
+                   f"typedef {_LTYPES[lt]} L_t;\ntypedef {_CTYPES[dl][0]} D_t;\n")
 
 
-def _function(kind: str, dtype, ltype, name: str):
+def _function(kind: str, dtype, ltype, name: str, dltype=None):
     """A kernel of the xent or dense module, cached by (module, dtype(s), name)."""
     fns = _kernels()["_fn"]
-    key = (kind, str(dtype), str(ltype), name)
+    key = (kind, str(dtype), str(ltype), name, str(dltype))
     f = fns.get(key)
     if f is None:
         if kind == "xent":
-            mod = _xent_module(dtype, ltype)
+            mod = _xent_module(dtype, ltype, dltype if dltype is not None else dtype)
         else:
             dt = str(dtype)
             mod = _module(("dense", dt), _DENSE_SRC, "#define SS_F32 1\n" if dt == "float32" else "")
@@ -572,8 +577,8 @@ def _softmax_xent(ctx, stream, ins, outs, attrs):
     logits, labels = ins
     out = outs[0]
     n, c = logits.shape
-    rows_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_rows")
-    mean_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_mean")
+    rows_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_rows", out.dtype)
+    mean_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_mean", out.dtype)
     g, lg = _row_group(c)
     rows = _xent_rows(out, n, _cupy_stream(ctx, stream))
     threads = n * g
@@ -589,9 +594,7 @@ def _softmax_xent_grad(ctx, stream, ins, outs, attrs):
 
     dloss, logits, labels = ins
     n, c = logits.shape
-    if dloss.dtype != logits.dtype:
-        raise ValueError("softmax_xent_grad: dloss and logits dtypes differ")
-    f = _function("xent", logits.dtype, labels.dtype, "ss_xent_bwd")
+    f = _function("xent", logits.dtype, labels.dtype, "ss_xent_bwd", dloss.dtype)
     g, lg = _row_group(c)
     threads = n * g
     with _stream(ctx, stream):
@@ -678,8 +681,10 @@ def _host_only(name: str) -> Callable:
 # NumPy twins, ...), with FMA contraction off (--fmad=false) so that elementwise formulas round
 # like NumPy's.  Sums are fixed-order: a thread adds its indices t, t + 256, ... in double, then
 # a fixed shared-memory tree (`ss_block_sum`); no atomics, no scratch, nothing allocated.
-# Convolutions and pools are direct gather kernels (one thread, or one block, per output
-# element): the backward passes never scatter, so there is nothing to accumulate atomically.
+# Pools are direct gather kernels (one thread, or one block, per output element): the backward
+# passes never scatter, so there is nothing to accumulate atomically.  Convolutions are im2col /
+# col2im gathers around cuBLAS GEMMs (the one temporary, cols, is the exception to "nothing
+# allocated": see _conv2d); their direct kernels remain as the fallback.
 
 _CNN_PRE = r"""
 #define SS_B 256
@@ -833,6 +838,100 @@ extern "C" __global__ void ss_sum_nhw(const X_t* dy, X_t* db, long long m, int c
     acc = ss_block_sum(acc, sh);
     if (threadIdx.x == 0) ss_put(db + ch, acc);
 }
+"""
+
+# The gathers around the convolution GEMMs (see _conv2d): cols [n*oh*ow, kh*kw*c], rows in
+# (b, i, j) order, columns in (di, dj, ci) order, as kernels_cnn's _im2col.
+_CNN_SRC["col"] = r"""
+// cols[(b, i, j), (di, dj, ci)] = x[b, i*s + di - p, j*s + dj - p, ci], 0 outside x, copied in
+// units U of 2, 4, 8 or 16 bytes (cu units per pixel, c channels): one thread per unit,
+// consecutive threads along (di, dj, unit), so the writes and the reads of a pixel are coalesced.
+// I: the index type, 32-bit when everything fits (integer division is most of the cost).
+template <typename U, typename I>
+__device__ __forceinline__ void ss_im2col_at(const U* x, U* cols, I t, I kk, int h, int wd,
+                                             int cu, int kw, int oh, int ow, int s, int p) {
+    I row = t / kk;
+    int col = (int)(t - row * kk);
+    int e = col % cu, r = col / cu;
+    int dj = r % kw, di = r / kw;
+    I rr = row / (I)ow;
+    int j = (int)(row - rr * (I)ow);
+    I b = rr / (I)oh;
+    int i = (int)(rr - b * (I)oh);
+    int hr = i * s + di - p, wq = j * s + dj - p;
+    if (hr >= 0 && hr < h && wq >= 0 && wq < wd)
+        cols[t] = x[(((long long)b * h + hr) * wd + wq) * cu + e];
+    else
+        cols[t] = U();
+}
+
+#define SS_IM2COL(NAME, U)                                                                        \
+extern "C" __global__ void NAME(const U* x, U* cols, int n, int h, int wd, int cu, int kh,       \
+                                int kw, int oh, int ow, int s, int p) {                          \
+    long long kk = (long long)kh * kw * cu;                                                       \
+    long long total = (long long)n * oh * ow * kk;                                                \
+    if (total <= 0x7fffffffLL) {                                                                  \
+        for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < (unsigned)total;             \
+             t += gridDim.x * blockDim.x)                                                         \
+            ss_im2col_at<U, unsigned>(x, cols, t, (unsigned)kk, h, wd, cu, kw, oh, ow, s, p);     \
+    } else {                                                                                      \
+        SS_LOOP(t, total) ss_im2col_at<U, long long>(x, cols, t, kk, h, wd, cu, kw, oh, ow, s, p);\
+    }                                                                                             \
+}
+SS_IM2COL(ss_im2col_2, unsigned short)
+SS_IM2COL(ss_im2col_4, unsigned int)
+SS_IM2COL(ss_im2col_8, uint2)
+SS_IM2COL(ss_im2col_16, uint4)
+
+// col2im as a gather: dx[b, r, q, ci] = the sum over (di, dj), in that order, in double, of
+// dcols[(b, i, j), (di, dj, ci)] for the outputs (i, j) whose window puts (di, dj) on (r, q):
+// i*s + di = r + p, j*s + dj = q + p.  One thread per dx entry, no atomics: the same bits every
+// run.  KH, KW: the kernel size at compile time (0: the arguments), so that the common 3x3 loop
+// unrolls and its loads are issued together instead of one latency after another.
+template <int KH, int KW, typename I>
+__device__ __forceinline__ void ss_col2im_at(const X_t* dcols, X_t* dx, I t, int h, int wd, int c,
+                                             int kh_, int kw_, int oh, int ow, int s, int p) {
+    const int kh = KH ? KH : kh_, kw = KW ? KW : kw_;
+    I r = t / (I)c;
+    int ci = (int)(t - r * (I)c);
+    I r2 = r / (I)wd;
+    int q = (int)(r - r2 * (I)wd);
+    I b = r2 / (I)h;
+    int hr = (int)(r2 - b * (I)h);
+    long long kk = (long long)kh * kw * c;
+    const X_t* base = dcols + (long long)b * oh * ow * kk + ci;
+    double acc = 0.0;
+#pragma unroll
+    for (int di = 0; di < kh; ++di) {
+        int ti = hr + p - di;
+        int i = ti / s;
+        bool vi = ti >= 0 && i * s == ti && i < oh;
+#pragma unroll
+        for (int dj = 0; dj < kw; ++dj) {
+            int tj = q + p - dj;
+            int j = tj / s;
+            if (vi && tj >= 0 && j * s == tj && j < ow)
+                acc += ss_wide(base[((long long)i * ow + j) * kk + (di * kw + dj) * c]);
+        }
+    }
+    ss_put(dx + t, acc);
+}
+
+#define SS_COL2IM(NAME, KH, KW)                                                                   \
+extern "C" __global__ void NAME(const X_t* dcols, X_t* dx, int n, int h, int wd, int c, int kh,  \
+                                int kw, int oh, int ow, int s, int p) {                          \
+    long long total = (long long)n * h * wd * c;                                                  \
+    if (total <= 0x7fffffffLL) {                                                                  \
+        for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < (unsigned)total;             \
+             t += gridDim.x * blockDim.x)                                                         \
+            ss_col2im_at<KH, KW, unsigned>(dcols, dx, t, h, wd, c, kh, kw, oh, ow, s, p);         \
+    } else {                                                                                      \
+        SS_LOOP(t, total) ss_col2im_at<KH, KW, long long>(dcols, dx, t, h, wd, c, kh, kw, oh, ow, \
+                                                          s, p);                                  \
+    }                                                                                             \
+}
+SS_COL2IM(ss_col2im, 0, 0)
+SS_COL2IM(ss_col2im_3x3, 3, 3)
 """
 
 # Pools: x [n, h, w, c], y / dy [n, oh, ow, c], no padding.  The maximum follows kernels_cnn's
@@ -1194,6 +1293,40 @@ extern "C" __global__ void ss_update_scale(const S_t* scale, const F_t* found, c
 }
 """
 
+# found is only ever set to 1 (as ss_unscale); the gradient is left as it is.
+_CNN_SRC["nonfinite"] = r"""
+extern "C" __global__ void ss_nonfinite(const X_t* g, F_t* found, long long size) {
+    SS_LOOP(i, size) {
+        if (!ss_finite(SS_LD(g[i]))) ss_put(found, 1.0);
+    }
+}
+"""
+
+# SGD on the master weights (M_t, computed in M_t as the NumPy twin) from a scaled gradient
+# (W_t), skipped entirely when found_inf is set; w = master rounded to W_t.
+_CNN_SRC["ampsgd"] = r"""
+extern "C" __global__ void ss_amp_sgd(const W_t* dw, M_t* master, M_t* v, W_t* w,
+                                      const S_t* lr, const S_t* scale, const F_t* found,
+                                      long long size, double mu_d, double wd_d, int nesterov) {
+    if (ss_wide(found[0]) != 0.0) return;
+    M_t inv = (M_t)(1.0 / ss_wide(scale[0]));
+    M_t lrv = (M_t)ss_wide(lr[0]);
+    M_t mu = (M_t)mu_d, wd = (M_t)wd_d;
+    SS_LOOP(i, size) {
+        M_t g = (M_t)ss_wide(dw[i]) * inv;
+        M_t m = master[i];
+        if (wd_d != 0.0) g = g + wd * m;
+        M_t vn = g;
+        if (mu_d != 0.0) vn = mu * v[i] + g;
+        M_t st = nesterov ? g + mu * vn : vn;
+        m = m - lrv * st;
+        v[i] = vn;
+        master[i] = m;
+        ss_put(w + i, m);
+    }
+}
+"""
+
 _CNN_CT = {"float16": "__half", "float32": "float", "float64": "double", "uint8": "unsigned char",
            "int32": "int", "int64": "long long"}
 
@@ -1265,7 +1398,7 @@ def _i32(*vals):
     return tuple(np.int32(int(v)) for v in vals)
 
 
-def _conv2d(ctx, stream, ins, outs, attrs):
+def _conv2d_direct(ctx, stream, ins, outs, attrs):
     x, w = ins
     y = outs[0]
     _contiguous("conv2d", (x, w, y))
@@ -1280,7 +1413,7 @@ def _conv2d(ctx, stream, ins, outs, attrs):
     _go(ctx, stream, f, _grid(y.size), (x, w, y) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
 
 
-def _conv2d_grad_x(ctx, stream, ins, outs, attrs):
+def _conv2d_grad_x_direct(ctx, stream, ins, outs, attrs):
     dy, w = ins
     dx = outs[0]
     _contiguous("conv2d_grad_x", (dy, w, dx))
@@ -1295,7 +1428,7 @@ def _conv2d_grad_x(ctx, stream, ins, outs, attrs):
     _go(ctx, stream, f, _grid(dx.size), (dy, w, dx) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
 
 
-def _conv2d_grad_w(ctx, stream, ins, outs, attrs):
+def _conv2d_grad_w_direct(ctx, stream, ins, outs, attrs):
     x, dy = ins
     dw = outs[0]
     _contiguous("conv2d_grad_w", (x, dy, dw))
@@ -1308,6 +1441,148 @@ def _conv2d_grad_w(ctx, stream, ins, outs, attrs):
         return
     f = _cnn_fn("conv", "ss_conv2d_grad_w", X_t=x.dtype)
     _go(ctx, stream, f, (int(dw.size),), (x, dy, dw) + _i32(n, h, wd, c, kh, kw, k, oh, ow, s, p))
+
+
+# The convolutions as GEMMs on the stream's cuBLAS handle (ctx.gemm: f32, f64, and f16 operands
+# with f32 compute), around two gather kernels:
+#   forward  y[n*oh*ow, k]     = cols @ w[kh*kw*c, k],   cols = im2col(x) [n*oh*ow, kh*kw*c]
+#   dW       dw[kh*kw*c, k]    = cols^T @ dy[n*oh*ow, k]
+#   dX       dcols             = dy @ w^T,  dx = col2im(dcols) (a gather, fixed order, no atomics)
+# A 1x1 kernel with stride 1 and no padding needs no gather (cols is x itself, dx is dcols).
+# cols / dcols is a temporary of the call: cupy.empty on the task's stream from the current
+# allocator (under the executor, the private pool of the graph being captured, pre-grown by its
+# warm-up).  It returns to that pool's arena of that stream when the twin returns, so only later
+# work of the same stream, ordered after this task's GEMM, can reuse it; nothing is cached across
+# calls, so no two graphs or streams ever share it, and a captured graph gets no memory node.
+# Other dtypes, and small problems whose direct kernel measured faster, take the direct kernels
+# above (_conv_direct; both paths are deterministic, their roundings differ: products summed in
+# double there, in f32 (f64 for f64) by cuBLAS here).
+_CONV_GEMM_DTYPES = frozenset(("float16", "float32", "float64"))
+# H200, fp32, each call replayed in a CUDA graph: the direct forward and dX kernels run one
+# thread per output over a serial loop of kh*kw*c (dX: kh*kw*k) products, so they win only when
+# that loop is short and the outputs few (3x3, c = 1 -> 16, batch 64 of 8x8: direct 4.7 us, GEMM
+# 6.4 us; batch 256 of 28x28: direct 100 us, GEMM 28 us; c = 2: a tie, 6.8 / 7.1 us); the direct
+# dW (one block per weight, n*oh*ow products each) wins up to about 2^20 products in all (3x3,
+# c = 1 -> 16, batch 8 of 8x8: 3.0 / 6.2 us; batch 64: a tie, 10.1 / 9.9 us; c = 16 batch 16,
+# 2.4M: 17.8 / 8.3 us).
+_DIRECT_MAX_LOOP = 16
+_DIRECT_MAX_OUT = 1 << 17
+_DIRECT_MAX_DW = 1 << 20
+
+
+def _conv_direct(kind: str, dtypes, n, h, wd, c, kh, kw, k, oh, ow) -> bool:
+    """Whether conv2d[_grad_x|_grad_w] (kind "y", "dx", "dw") takes its direct kernel."""
+    if any(str(d) not in _CONV_GEMM_DTYPES for d in dtypes) or len({str(d) for d in dtypes}) != 1:
+        return True
+    if kind == "y":
+        return kh * kw * c <= _DIRECT_MAX_LOOP and n * oh * ow * k <= _DIRECT_MAX_OUT
+    if kind == "dx":
+        return kh * kw * k <= _DIRECT_MAX_LOOP and n * h * wd * c <= _DIRECT_MAX_OUT
+    return kh * kw * c * k * n * oh * ow <= _DIRECT_MAX_DW
+
+
+def _conv_shapes(x_shape, w_shape, y_shape):
+    """(n, h, wd, c, kh, kw, k, oh, ow) from x [n, h, wd, c], w [kh, kw, c, k], y [n, oh, ow, k]."""
+    n, h, wd, c = (int(v) for v in x_shape)
+    kh, kw, k = int(w_shape[0]), int(w_shape[1]), int(w_shape[3])
+    oh, ow = int(y_shape[1]), int(y_shape[2])
+    return n, h, wd, c, kh, kw, k, oh, ow
+
+
+def _is_pointwise(kh, kw, s, p) -> bool:
+    return kh == 1 and kw == 1 and s == 1 and p == 0
+
+
+def _im2col(ctx, stream, x, kh, kw, oh, ow, s, p):
+    """cols [n*oh*ow, kh*kw*c] of x [n, h, wd, c], a fresh temporary (or x itself, reshaped, for
+    a pointwise kernel)."""
+    import cupy as cp
+
+    n, h, wd, c = x.shape
+    if _is_pointwise(kh, kw, s, p):
+        return x.reshape(n * h * wd, c)
+    with _stream(ctx, stream):
+        cols = cp.empty((n * oh * ow, kh * kw * c), dtype=x.dtype)
+    if cols.size:
+        pix = c * x.itemsize  # bytes per pixel: copied in the widest unit that divides it
+        u = next(u for u in (16, 8, 4, 2, 1) if pix % u == 0 and x.data.ptr % u == 0)
+        if u == 1:  # not reached for float dtypes (pixels of 2, 4 or 8-byte entries)
+            raise NotImplementedError(f"conv2d: dtype {x.dtype} is not supported on the device")
+        f = _cnn_fn("col", f"ss_im2col_{u}", X_t=x.dtype)
+        cu = pix // u
+        _go(ctx, stream, f, _grid(cols.size * x.itemsize // u),
+            (x, cols) + _i32(n, h, wd, cu, kh, kw, oh, ow, s, p))
+    return cols
+
+
+def _conv2d(ctx, stream, ins, outs, attrs):
+    x, w, y = ins[0], ins[1], outs[0]
+    if _conv_direct("y", (x.dtype, w.dtype, y.dtype), *_conv_shapes(x.shape, w.shape, y.shape)):
+        return _conv2d_direct(ctx, stream, ins, outs, attrs)
+    return _conv2d_gemm(ctx, stream, ins, outs, attrs)
+
+
+def _conv2d_gemm(ctx, stream, ins, outs, attrs):
+    x, w = ins
+    y = outs[0]
+    _contiguous("conv2d", (x, w, y))
+    _disjoint("conv2d", ins, outs)
+    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(x.shape, w.shape, y.shape)
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if y.size == 0:
+        return
+    cols = _im2col(ctx, stream, x, kh, kw, oh, ow, s, p)
+    ctx.gemm(stream, cols, w.reshape(kh * kw * c, k), y.reshape(n * oh * ow, k))
+
+
+def _conv2d_grad_x(ctx, stream, ins, outs, attrs):
+    dy, w, dx = ins[0], ins[1], outs[0]
+    if _conv_direct("dx", (dy.dtype, w.dtype, dx.dtype), *_conv_shapes(dx.shape, w.shape, dy.shape)):
+        return _conv2d_grad_x_direct(ctx, stream, ins, outs, attrs)
+    return _conv2d_grad_x_gemm(ctx, stream, ins, outs, attrs)
+
+
+def _conv2d_grad_x_gemm(ctx, stream, ins, outs, attrs):
+    dy, w = ins
+    dx = outs[0]
+    _contiguous("conv2d_grad_x", (dy, w, dx))
+    _disjoint("conv2d_grad_x", ins, outs)
+    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(dx.shape, w.shape, dy.shape)
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if dx.size == 0:
+        return
+    dy2, w2 = dy.reshape(n * oh * ow, k), w.reshape(kh * kw * c, k)
+    if _is_pointwise(kh, kw, s, p):
+        ctx.gemm(stream, dy2, w2, dx.reshape(n * h * wd, c), tb=True)
+        return
+    import cupy as cp
+
+    with _stream(ctx, stream):
+        dcols = cp.empty((n * oh * ow, kh * kw * c), dtype=dy.dtype)
+    ctx.gemm(stream, dy2, w2, dcols, tb=True)
+    name = "ss_col2im_3x3" if (kh, kw) == (3, 3) else "ss_col2im"
+    _go(ctx, stream, _cnn_fn("col", name, X_t=dy.dtype), _grid(dx.size),
+        (dcols, dx) + _i32(n, h, wd, c, kh, kw, oh, ow, s, p))
+
+
+def _conv2d_grad_w(ctx, stream, ins, outs, attrs):
+    x, dy, dw = ins[0], ins[1], outs[0]
+    if _conv_direct("dw", (x.dtype, dy.dtype, dw.dtype), *_conv_shapes(x.shape, dw.shape, dy.shape)):
+        return _conv2d_grad_w_direct(ctx, stream, ins, outs, attrs)
+    return _conv2d_grad_w_gemm(ctx, stream, ins, outs, attrs)
+
+
+def _conv2d_grad_w_gemm(ctx, stream, ins, outs, attrs):
+    x, dy = ins
+    dw = outs[0]
+    _contiguous("conv2d_grad_w", (x, dy, dw))
+    _disjoint("conv2d_grad_w", ins, outs)
+    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(x.shape, dw.shape, dy.shape)
+    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    if dw.size == 0:
+        return
+    cols = _im2col(ctx, stream, x, kh, kw, oh, ow, s, p)
+    ctx.gemm(stream, cols, dy.reshape(n * oh * ow, k), dw.reshape(kh * kw * c, k), ta=True)
 
 
 def _sum_nhw(ctx, stream, ins, outs, attrs):
@@ -1563,6 +1838,43 @@ def _update_scale(ctx, stream, ins, outs, attrs):
                                np.float64(int(attrs.get("interval", 2000)))))
 
 
+def _nonfinite_check(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    g, found = ins
+    found_out = outs[0]
+    types = dict(X_t=g.dtype, F_t=found.dtype)
+    if found_out.data.ptr != found.data.ptr:
+        _go(ctx, stream, _cnn_fn("unscale", "ss_copy1", X_t=g.dtype, S_t=found.dtype, F_t=found.dtype,
+                                 A_t=_acc_of(g.dtype)), (1,), (found, found_out))
+    if g.size == 0:
+        return
+    _contiguous("nonfinite_check", (g,))
+    f = _cnn_fn("nonfinite", "ss_nonfinite", A_t=_acc_of(g.dtype), **types)
+    _go(ctx, stream, f, _grid(g.size), (g, found_out, np.int64(g.size)))
+
+
+def _amp_sgd_step(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    w, dw, master, v, lr, scale, found = ins
+    w_out, m_out, v_out = outs
+    with _stream(ctx, stream):
+        for a, b in ((w, w_out), (master, m_out), (v, v_out)):
+            _same_or_copy(a, b)
+    _contiguous("amp_sgd_step", (dw, w_out, m_out, v_out))
+    if lr.dtype != scale.dtype:
+        raise ValueError("amp_sgd_step: lr and scale must share a dtype on the device")
+    if w.size == 0:
+        return
+    f = _cnn_fn("ampsgd", "ss_amp_sgd", W_t=w.dtype, M_t=master.dtype, S_t=scale.dtype, F_t=found.dtype,
+                A_t=_acc_of(master.dtype))
+    _go(ctx, stream, f, _grid(w.size),
+        (dw, m_out, v_out, w_out, lr, scale, found, np.int64(w.size),
+         np.float64(float(attrs.get("momentum", 0.9))), np.float64(float(attrs.get("weight_decay", 0.0))),
+         np.int32(1 if attrs.get("nesterov", False) else 0)))
+
+
 _CNN_TWINS: dict[str, Callable] = {
     "conv2d": _conv2d,
     "conv2d_grad_x": _conv2d_grad_x,
@@ -1587,6 +1899,8 @@ _CNN_TWINS: dict[str, Callable] = {
     "scale_loss": _scale_loss,
     "unscale_check": _unscale_check,
     "update_scale": _update_scale,
+    "nonfinite_check": _nonfinite_check,
+    "amp_sgd_step": _amp_sgd_step,
 }
 
 

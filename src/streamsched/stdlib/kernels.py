@@ -458,16 +458,19 @@ def _xent_check(k, names, t, il: int, ilab: int) -> str:
     return dt
 
 
+def _loss_dtype(dt: str) -> str:
+    """The loss of `dt` logits: at least f32, so f16 logits under mixed precision give an f32
+    loss (and an f32 gradient seed, the loss scale)."""
+    return "f32" if dt in ("f16", "bf16") else dt
+
+
 def _xent_infer(k, names, t, at):
-    return [((), _xent_check(k, names, t, 0, 1))]
+    return [((), _loss_dtype(_xent_check(k, names, t, 0, 1)))]
 
 
 def _xent_grad_infer(k, names, t, at):
     dt = _xent_check(k, names, t, 1, 2)
     _scalar(k, t, names, 0)
-    if t[0][1] != dt:
-        raise KernelTypeError(f"{k}: dtypes differ: {names[1]} is {dt}, {names[0]} is {t[0][1]}",
-                              arg=0, code="S004")
     return [(t[1][0], dt)]
 
 
@@ -506,14 +509,14 @@ _register("softmax_xent", "logits labels", "loss", _xent_infer, _xent_cpu, doc="
 loss = mean over the batch of -log softmax(logits)[label] = mean_i(logsumexp(logits_i) -
 logits_i[labels_i]), computed after subtracting each row's max (f16 in f32); as PyTorch's
 torch.nn.functional.cross_entropy with reduction="mean".
-logits: [n, c] float, labels: [n] i32 or i64 -> loss: [] in logits' dtype.
+logits: [n, c] float, labels: [n] i32 or i64 -> loss: [] in logits' dtype, f32 for f16 logits.
 A label outside 0..c-1 raises ValueError when the kernel runs.
 """)
 _register("softmax_xent_grad", "dloss logits labels", "dlogits", _xent_grad_infer, _xent_grad_cpu,
           doc="""
 dlogits = dloss * (softmax(logits) - onehot(labels)) / n, the gradient of softmax_xent.
-dloss: [] (a device scalar, read at run time), logits: [n, c] float, labels: [n] i32/i64
--> dlogits: [n, c].
+dloss: [] any float (a device scalar read at run time: 1, or the loss scale under mixed
+precision), logits: [n, c] float, labels: [n] i32/i64 -> dlogits: [n, c] in logits' dtype.
 """)
 
 

@@ -24,7 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from streamsched.stdlib.kernel_record import KernelTypeError
 from streamsched.stdlib.kernels import (FLOATS, INTS, KERNELS, _acc, _attr_error, _dtype, _floats,
-                                        _fmt, _number, _register, _same_shape, _scalar, _write)
+                                        _flag, _fmt, _number, _register, _same_shape, _scalar, _write)
 
 _FIRST = len(KERNELS)
 
@@ -842,6 +842,73 @@ scale = scale * backoff, good_steps = 0; else if good_steps + 1 == interval: sca
 growth unless that overflows the scale's dtype (then unchanged), good_steps = 0; else
 good_steps += 1.  scale, found_inf: [] float, good_steps: [] i32/i64/f32/f64 (PyTorch's growth
 tracker is i32) -> (scale, good_steps), in place.
+""")
+
+def _nonfinite_infer(k, names, t, at):
+    _floats(k, t, names, (0,))
+    _scalar(k, t, names, 1)
+    return [t[1]]
+
+
+def _nonfinite_cpu(ins, outs, at):
+    g, found = ins
+    _write(outs[0], 1.0 if not bool(np.isfinite(g).all()) else found.item())
+
+
+_register("nonfinite_check", "g found_inf", "found_inf", _nonfinite_infer, _nonfinite_cpu, doc="""
+found_inf = 1.0 if any element of g is inf or NaN, else found_inf unchanged: the check half of
+PyTorch's _amp_foreach_non_finite_check_and_unscale_, on a (scaled, usually f16) gradient that
+is left untouched.  Zero found_inf once per step and call this on every gradient; then
+amp_sgd_step skips the whole step when it is set.
+g: float, any shape; found_inf: [] float device scalar -> found_inf (in place).
+""")
+
+
+def _amp_sgd_infer(k, names, t, at):
+    momentum = _number(k, at, "momentum", lo=0.0)
+    _number(k, at, "weight_decay", lo=0.0)
+    if _flag(k, at, "nesterov") and momentum <= 0:
+        raise _attr_error(k, "nesterov=true needs momentum > 0 (as torch.optim.SGD)")
+    shape = _same_shape(k, t, names, (0, 1, 2, 3))
+    wdt = _floats(k, t, names, (0, 1))
+    mdt = _floats(k, t, names, (2, 3))
+    for i in (4, 5, 6):
+        _scalar(k, t, names, i)
+    return [(shape, wdt), (shape, mdt), (shape, mdt)]
+
+
+def _amp_sgd_cpu(ins, outs, at):
+    w, dw, master, v, lr_buf, scale, found = ins
+    if found.item() != 0:  # an inf/NaN gradient somewhere: skip the whole step
+        keep = [np.array(i, copy=True) for i in (w, master, v)]  # outputs may alias inputs
+        for o, i in zip(outs, keep):
+            _write(o, i)
+        return
+    acc = master.dtype
+    mu, wd = at["momentum"], at["weight_decay"]
+    inv = np.asarray(1.0 / float(scale), acc)
+    g = dw.astype(acc) * inv
+    if wd:
+        g = g + np.asarray(wd, acc) * master
+    v_new = np.asarray(mu, acc) * v + g if mu else g
+    step = g + np.asarray(mu, acc) * v_new if at["nesterov"] else v_new
+    m_new = master - np.asarray(float(lr_buf), acc) * step
+    _write(outs[2], v_new)
+    _write(outs[1], m_new)
+    _write(outs[0], m_new)  # the master-to-half cast (round to nearest even)
+
+
+_register("amp_sgd_step", "w dw master v lr scale found_inf", "w master v", _amp_sgd_infer,
+          _amp_sgd_cpu, {"momentum": 0.9, "weight_decay": 0.0, "nesterov": False}, doc="""
+SGD with momentum on f32 master weights under dynamic loss scaling (Micikevicius et al., 2018,
+"Mixed Precision Training"; torch.amp.GradScaler.step around torch.optim.SGD): if found_inf != 0
+nothing changes (the step is skipped); else g = dw / scale (dw widened to the master's dtype,
+times 1 / scale computed in double and rounded to that dtype), g = g + weight_decay * master,
+v = momentum * v + g, master = master - lr * (g + momentum * v if nesterov else v), and
+w = master rounded to w's dtype (the master-to-half cast, round to nearest even).
+w, dw: one shape, one float dtype (f16: the model's copy and its scaled gradient); master, v:
+same shape, one float dtype (f32); lr, scale, found_inf: [] float device scalars read when the
+kernel runs -> (w, master, v), in place.
 """)
 
 CNN_KERNELS: tuple[str, ...] = tuple(list(KERNELS)[_FIRST:])
