@@ -4,7 +4,8 @@ weights for every variant.
 
     python benchmarks/step_time.py [--json benchmarks/results/h200.json] [--md table.md]
                                    [--steps 300] [--reps 5] [--check-steps 20]
-                                   [--models mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits]
+                                   [--models mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits,
+                                             resnet_digits_amp]
                                    [--captures none,graphs,step]
                                    [--compile-budget 150] [--no-compile] [--trace-dir DIR]
 
@@ -20,15 +21,34 @@ permuted from NHWC to NCHW flattening order).  Dropout masks differ between the 
 the loss check of resnet_digits runs every variant a second time with dropout p = 0 (check only,
 untimed); the timed runs use p = 0.1.
 
+resnet_digits_amp is examples/resnet_digits_amp.sched: the same CNN in mixed precision (f16
+input, activations, weights and gradients; f32 master weights held by `sgd_amp` as the state
+`sgd_amp.master.<param>`; f32 batch-norm parameters; a dynamic loss scale in the device buffer
+`loss_scale`, starting at 65536, with `found_inf` and `good_steps`).  Its PyTorch side is the
+resnet_digits model in standard AMP: fp32 parameters (streamsched's f32 master values, i.e. its
+f16 initial weights widened, so both start from the same weights), forward and loss under
+torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler(init_scale=65536), SGD momentum
+0.9, weight decay 1e-4, foreach; the static batch is rounded to f16 for both.  Its loss check
+(dropout p = 0, as resnet_digits) reports every variant's relative difference to PyTorch eager
+and the loss scale after the check steps; differences above 5e-2 are flagged (printed and listed
+in the JSON), never failed: f16 rounding differs between cuDNN/autocast and streamsched's kernels.
+
 Variants:
   torch_eager          nn.Sequential, F.cross_entropy, SGD(foreach=True, momentum=0.9),
                        zero_grad(set_to_none=True)
   torch_graph          the whole step (forward, backward, optimizer.step) captured once with
                        torch.cuda.graph on static inputs and replayed (PyTorch's "whole network
                        capture"; SGD keeps no step state, so it is capturable as is)
+  torch_graph_partial  (resnet_digits_amp only, instead of torch_graph) PARTIAL capture, as
+                       PyTorch's documented AMP recipe (CUDA Graphs > Usage with torch.cuda.amp):
+                       forward + loss + scaled backward captured in one CUDA graph; after each
+                       replay scaler.step(optimizer) and scaler.update() run eagerly (GradScaler.step
+                       reads found_inf on the host, a sync that cannot be captured).  Its ratio
+                       column "vs_torch_graph" is against this variant.
   torch_compile        torch.compile(mode="reduce-overhead") of forward + loss (its backward is
                        compiled and CUDA-graphed by AOTAutograd), optimizer eager foreach;
-                       skipped, with the reason, when it fails or the compile budget is spent
+                       skipped, with the reason, when it fails or the compile budget is spent;
+                       not run for resnet_digits_amp (skipped, with that reason)
   ss_{none,graphs,step}_{five,one}[_replay]
                        streamsched, capture none | graphs | step, with the five-stream schedule
                        (trans, comp1..3, update) or everything on one stream; the steady-state
@@ -205,17 +225,24 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
             xb = rng.standard_normal((batch, 64)).astype(np.float32)
             yb = rng.integers(0, 10, batch).astype(np.int32)
             classes = 10
-        elif name == "resnet_digits":
+        elif name in ("resnet_digits", "resnet_digits_amp"):
             lr = 0.05  # the example's cosine peak, held constant
             d = os.path.join(tmp, name)
             os.makedirs(d, exist_ok=True)
-            five = os.path.join(ROOT, "examples", "resnet_digits.sched")
+            five = os.path.join(ROOT, "examples", f"{name}.sched")
             with open(five) as f:
                 text = f.read()
             batch = int(re.search(r"model\s+\w+\s*\(\s*batch\s*=\s*(\d+)", text).group(1))
             dropout = float(re.search(r"dropout\([^)]*\bp\s*=\s*([0-9.eE+-]+)", text).group(1))
-            xb = rng.standard_normal((batch, 8, 8, 1)).astype(np.float32)
-            yb = rng.integers(0, 10, batch).astype(np.int32)
+            if name.endswith("_amp"):
+                # its own generator (the same batch whatever --models lists before it); the
+                # model's input is f16, so both frameworks get the f16-rounded values
+                r = np.random.default_rng(5678)
+                xb = r.standard_normal((batch, 8, 8, 1)).astype(np.float16)
+                yb = r.integers(0, 10, batch).astype(np.int32)
+            else:
+                xb = rng.standard_normal((batch, 8, 8, 1)).astype(np.float32)
+                yb = rng.integers(0, 10, batch).astype(np.int32)
             classes = 10
             # the loss check's twin: the same step with dropout p = 0 (masks differ between the
             # frameworks; with p = 0 both are the identity)
@@ -234,8 +261,9 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
         if name.startswith("mlp784_b"):
             out[name]["five_nozero"] = nz
             out[name]["one_nozero"] = nz.replace(".sched", "_one_stream.sched")
-        if name == "resnet_digits":
-            out[name].update({"kind": "resnet", "weight_decay": 1e-4, "dropout": dropout,
+        if name in ("resnet_digits", "resnet_digits_amp"):
+            out[name].update({"kind": "resnet_amp" if name.endswith("_amp") else "resnet",
+                              "weight_decay": 1e-4, "dropout": dropout,
                               "five_p0": p0, "one_p0": p0.replace(".sched", "_one_stream.sched")})
     return out
 
@@ -337,17 +365,31 @@ def torch_builder(spec, init, layers, device, dropout=None):
     momentum, the input batch as PyTorch wants it)."""
     import torch
 
-    if spec.get("kind") == "resnet":
+    if spec.get("kind") in ("resnet", "resnet_amp"):
         p = spec["dropout"] if dropout is None else dropout
+        if spec["kind"] == "resnet_amp":
+            # fp32 master params: streamsched's f32 master state (its f16 params' values widened)
+            init = amp_torch_init(init)
 
         def reset(model, opt):
             load_resnet(model, init)
             _zero_momentum(opt)
 
-        x = np.ascontiguousarray(spec["x"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        x = np.ascontiguousarray(spec["x"].astype(np.float32).transpose(0, 3, 1, 2))  # NHWC -> NCHW
         return (lambda: torch_resnet(init, device, p)), reset, torch.from_numpy(x).to(device)
     return ((lambda: torch_model(init, layers, device)), (lambda m, o: reset_torch(m, o, init, layers)),
             torch.from_numpy(spec["x"]).to(device))
+
+
+def amp_torch_init(init: dict) -> dict:
+    """PyTorch's fp32 parameters of the AMP model: each parameter with an f32 master copy
+    (`sgd_amp.master.P`, the f16 parameter's initial value widened) takes that value; batch norm
+    (f32 in both) and the running statistics as they are."""
+    out = dict(init)
+    for k, v in init.items():
+        if k.startswith("sgd_amp.master."):
+            out[k[len("sgd_amp.master."):]] = v
+    return out
 
 
 def _zero_momentum(opt) -> None:
@@ -383,6 +425,9 @@ def torch_variants(spec, init, layers, args, device="cuda", dropout=None, check_
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if spec.get("kind") == "resnet_amp":
+        yield from torch_amp_variants(spec, init, layers, args, device, dropout, check_only)
+        return
     make, reset, x = torch_builder(spec, init, layers, device, dropout)
     y = torch.from_numpy(spec["y"].astype(np.int64)).to(device)
     lr = spec["lr"]
@@ -488,6 +533,108 @@ def torch_variants(spec, init, layers, args, device="cuda", dropout=None, check_
         yield "torch_compile", {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
+AMP_LOSS_TOL = 5e-2  # relative loss difference flagged (not failed) for the f16 model
+AMP_INIT_SCALE = 65536.0  # GradScaler's default, and the .sched file's `loss_scale` state
+
+
+def torch_amp_variants(spec, init, layers, args, device="cuda", dropout=None, check_only=False):
+    """The AMP model in PyTorch (standard AMP: fp32 params, torch.autocast(float16),
+    GradScaler(init_scale=65536), SGD momentum 0.9, weight decay 1e-4, foreach): eager, and the
+    partial CUDA graph of PyTorch's documented AMP recipe (forward + loss + scaled backward
+    captured; scaler.step and scaler.update eager after each replay, since GradScaler.step syncs).
+    torch.compile is not run for AMP."""
+    import torch
+    import torch.nn.functional as F
+
+    make, reset, x = torch_builder(spec, init, layers, device, dropout)
+    y = torch.from_numpy(spec["y"].astype(np.int64)).to(device)
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9,
+                               weight_decay=spec.get("weight_decay", 0.0), foreach=True)
+
+    def timed(step) -> dict:
+        return {} if check_only else time_torch(step, args)
+
+    def reset_scaler(scaler):  # in place: the captured graph reads scaler's scale tensor
+        scaler._scale.fill_(AMP_INIT_SCALE)
+        scaler._growth_tracker.zero_()
+
+    # eager AMP
+    model = make()
+    opt = sgd(model)
+    scaler = torch.amp.GradScaler("cuda", init_scale=AMP_INIT_SCALE)
+
+    def eager_step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    loss = None
+    for _ in range(args.check_steps):
+        loss = eager_step()
+    res = {"loss_after_check": float(loss.detach()), "loss_scale_after_check": float(scaler.get_scale()),
+           "note": "torch.autocast(float16) + GradScaler(init_scale=65536), fp32 params, SGD foreach"}
+    res.update(timed(eager_step))
+    yield "torch_eager", res
+
+    # partial capture (PyTorch docs, CUDA Graphs > Usage with torch.cuda.amp): forward, loss and
+    # the scaled backward in the graph; scaler.step(opt) and scaler.update() eagerly after each
+    # replay (GradScaler.step reads found_inf on the host: a sync, not capturable)
+    try:
+        model = make()
+        opt = sgd(model)
+        scaler = torch.amp.GradScaler("cuda", init_scale=AMP_INIT_SCALE)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):  # warm-up on a side stream: creates momentum buffers, scaler state
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.float16):
+                    wl = F.cross_entropy(model(x), y)
+                scaler.scale(wl).backward()
+                scaler.step(opt)
+                scaler.update()
+            del wl  # no autograd node of the warm-up kept alive into the capture
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        reset(model, opt)
+        reset_scaler(scaler)
+        g = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(g):
+            with torch.autocast("cuda", dtype=torch.float16):
+                static_loss = F.cross_entropy(model(x), y)
+            scaler.scale(static_loss).backward()
+        torch.cuda.synchronize()
+        reset(model, opt)  # capture ran nothing, but be explicit
+        reset_scaler(scaler)
+
+        def partial_step():
+            g.replay()
+            scaler.step(opt)
+            scaler.update()
+
+        for _ in range(args.check_steps):
+            partial_step()
+        res = {"loss_after_check": float(static_loss.detach()),
+               "loss_scale_after_check": float(scaler.get_scale()),
+               "note": "partial capture (PyTorch's AMP recipe): forward + loss + scaled backward "
+                       "in one CUDA graph; scaler.step(opt) (host sync) and scaler.update() eager"}
+        res.update(timed(partial_step))
+        yield "torch_graph_partial", res
+    except Exception as exc:
+        traceback.print_exc()
+        yield "torch_graph_partial", {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if not check_only:
+        yield "torch_compile", {"skipped": "not run for AMP (GradScaler around a compiled step "
+                                           "left out of this benchmark)"}
+
+
 def eager_step_of(model, opt, x, y):
     import torch.nn.functional as F
 
@@ -590,8 +737,9 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
             k += 1
         ex.synchronize()
         loss = float(ex.get(m.loss))
+        amp = {"loss_scale_after_check": float(ex.get("loss_scale"))} if "loss_scale" in init else {}
         if check_only:
-            return {"loss_after_check": loss}
+            return {"loss_after_check": loss, **amp}
         for _ in range(args.warmup):
             cur["k"] = k
             ex.run(prog(k), host_fn)
@@ -618,7 +766,7 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
             e1.synchronize()
             gpu.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.steps)
             host.append((b - a) * 1e6 / args.steps)
-        res = {"loss_after_check": loss}
+        res = {"loss_after_check": loss, **amp}
         res.update(_stats(gpu, host))
         nodes: dict[str, int] = {}
         for cu in ex.graphs.values():
@@ -658,20 +806,28 @@ def run(args) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "cupy": cp.__version__, "numpy": np.__version__},
         "config": {"steps": args.steps, "reps": args.reps, "warmup": args.warmup,
-                   "check_steps": args.check_steps, "tf32": False, "dtype": "fp32",
+                   "check_steps": args.check_steps, "tf32": False,
+                   "dtype": "fp32 (resnet_digits_amp: mixed f16/f32, see its `precision`)",
                    "optimizer": "SGD momentum 0.9", "statistic": "median over reps of "
                    "(CUDA-event time of `steps` steps / steps)"},
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "models": {},
     }
     for name, spec in specs.items():
         init, layers = initial_weights(spec["five"])
         row: dict = {"batch": spec["batch"], "lr": spec["lr"],
                      "layers": [list(init[w].shape) for w, _ in layers], "variants": {}}
-        if spec.get("kind") == "resnet":
+        if spec.get("kind") in ("resnet", "resnet_amp"):
             row["layers"] = [list(init[w].shape) for w in ("c1.w", "c2.w", "c3.w", "logits.w")]
             row.update({"weight_decay": spec["weight_decay"], "dropout": spec["dropout"],
                         "torch_layout": "NCHW (cuDNN), nn.BatchNorm2d, nn.Dropout",
                         "loss_check_dropout": 0.0})
+        if spec.get("kind") == "resnet_amp":
+            row.update({"precision": "mixed: f16 compute, f32 master weights (streamsched: sgd_amp "
+                                     "state; PyTorch: fp32 params under torch.autocast(float16)), "
+                                     "f32 batch-norm params, dynamic loss scale from 65536",
+                        "torch_graph_reference": "torch_graph_partial",
+                        "loss_check_tolerance": AMP_LOSS_TOL})
         out["models"][name] = row
         print(f"== {name}", flush=True)
         try:
@@ -687,6 +843,8 @@ def run(args) -> dict:
                 for vname, res in torch_variants(spec, init, layers, args, dropout=0.0, check_only=True):
                     if vname in row["variants"] and "loss_after_check" in res:
                         row["variants"][vname]["loss_after_check_p0"] = res["loss_after_check"]
+                        if "loss_scale_after_check" in res:
+                            row["variants"][vname]["loss_scale_after_check_p0"] = res["loss_scale_after_check"]
                         print(f"  {vname:22s} p=0 loss {res['loss_after_check']:.7g}", flush=True)
             except Exception:
                 traceback.print_exc()
@@ -708,6 +866,8 @@ def run(args) -> dict:
                     try:
                         chk = ss_variant(spec[streams + "_p0"], capture, spec, init, args, check_only=True)
                         res["loss_after_check_p0"] = chk["loss_after_check"]
+                        if "loss_scale_after_check" in chk:
+                            res["loss_scale_after_check_p0"] = chk["loss_scale_after_check"]
                     except Exception as exc:
                         traceback.print_exc()
                         res["loss_after_check_p0_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -735,8 +895,19 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
         "max_rel_diff": max((abs(l - ref) / abs(ref) for l in losses.values()), default=None)
         if ref else None,
     }
+    if "loss_check_tolerance" in row:  # AMP: f16-level differences are reported, not failed
+        lc = row["loss_check"]
+        lc["rel_diffs"] = {k: abs(l - ref) / abs(ref) for k, l in losses.items()} if ref else {}
+        lc["tolerance"] = row["loss_check_tolerance"]
+        lc["flagged"] = sorted(k for k, d in lc["rel_diffs"].items() if d > lc["tolerance"])
+        sk = key.replace("loss_after_check", "loss_scale_after_check")
+        lc["loss_scales"] = {k: r[sk] for k, r in v.items() if sk in r}
+        if lc["flagged"]:
+            print(f"  WARNING {name}: loss after {check_steps} steps differs from torch_eager by more "
+                  f"than {lc['tolerance']:g} (relative): {lc['flagged']}", flush=True)
+    gref = row.get("torch_graph_reference", "torch_graph")
     row["ratios"] = {
-        k: {"vs_torch_graph": ratio(g[k], g.get("torch_graph")), "vs_torch_eager": ratio(g[k], g.get("torch_eager"))}
+        k: {"vs_torch_graph": ratio(g[k], g.get(gref)), "vs_torch_eager": ratio(g[k], g.get("torch_eager"))}
         for k in v if g.get(k)
     }
     row["ratios"]["ss_step_five_vs_ss_step_one"] = ratio(g.get("ss_step_five"), g.get("ss_step_one"))
@@ -787,7 +958,7 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-ORDER = ["torch_eager", "torch_graph", "torch_compile", "ss_none_five", "ss_none_one", "ss_graphs_five",
+ORDER = ["torch_eager", "torch_graph", "torch_graph_partial", "torch_compile", "ss_none_five", "ss_none_one", "ss_graphs_five",
          "ss_graphs_one", "ss_step_five", "ss_step_one", "ss_step_five_replay", "ss_step_one_replay",
          "ss_step_five_nozero", "ss_step_one_nozero"]
 
@@ -813,6 +984,9 @@ def markdown(out: dict) -> str:
                          f"{_f(rr.get('vs_torch_eager'))} | {lc if isinstance(lc, str) else f'{lc:.7g}'} |")
         lc = row["loss_check"]["max_rel_diff"]
         lines.append(f"\nLoss check: max relative difference to PyTorch eager {lc:.2e}." if lc is not None else "")
+        if row.get("torch_graph_reference"):
+            lines.append(f"(× PyTorch CUDA graph is against {row['torch_graph_reference']}; loss tolerance "
+                         f"{row['loss_check'].get('tolerance')}, flagged: {row['loss_check'].get('flagged') or 'none'}.)")
         for t, r in row["targets"].items():
             lines.append(f"- target `{t}`: ratio {_f(r['ratio'])}, {'met' if r['met'] else 'MISSED'}")
         lines.append("")
@@ -831,7 +1005,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--check-steps", type=int, default=20)
-    ap.add_argument("--models", default="mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits")
+    ap.add_argument("--models", default="mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits,resnet_digits_amp")
     ap.add_argument("--captures", default="none,graphs,step",
                     help="the streamsched capture modes to run (comma-separated)")
     ap.add_argument("--compile-budget", type=float, default=100.0,

@@ -142,6 +142,13 @@ CASES = [
     ("amp_sgd_step", [_f(10), _f(10), _f(10), _f(10), _s(0.1), _s(1.0), _s(0.0)], {"momentum": 0.0}, True),
     ("amp_sgd_step", [_f(64, dt=np.float16), _f(64, dt=np.float16), _f(64), _f(64), _s(0.1), _s(2.0),
                       _s(1.0)], {}, True),  # found_inf set: the step is skipped
+    ("amp_lars_step", [_f(3, 3, 16, 16, dt=np.float16), _f(3, 3, 16, 16, scale=512, dt=np.float16),
+                       _f(3, 3, 16, 16), _f(3, 3, 16, 16, scale=0.01), _s(2.0), _s(1024.0), _s(0.0)], {}, False),
+    ("amp_lars_step", [_f(1000, dt=np.float16), _f(1000, dt=np.float16), _f(1000), np.zeros(1000, np.float32),
+                       _s(0.5), _s(4.0), _s(0.0)], {"momentum": 0.5, "weight_decay": 0.01, "trust": 1.0}, False),
+    ("amp_lars_step", [_f(64, dt=np.float16), _f(64, dt=np.float16), _f(64), _f(64), _s(0.1), _s(2.0),
+                       _s(1.0)], {}, True),  # found_inf set: the step is skipped
+    ("ema_update", [_f(3, 3, 16, 16), _f(3, 3, 16, 16, dt=np.float16)], {"decay": 0.999}, False),
 ]
 
 

@@ -43,7 +43,7 @@ def _f(*shape, seed=0):
 
 def test_every_cnn_kernel_is_registered_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
-    assert len(kc.CNN_KERNELS) == 25
+    assert len(kc.CNN_KERNELS) == 26
     for name in kc.CNN_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host, name
@@ -546,6 +546,34 @@ def test_amp_sgd_step_is_sgd_on_the_unscaled_gradient_of_the_master_weights():
     np.testing.assert_array_equal(v2, v)
 
 
+def test_amp_lars_step_is_lars_on_the_unscaled_gradient_of_the_master_weights():
+    rng = np.random.default_rng(8)
+    master = rng.standard_normal(40).astype(np.float32)
+    w, v = master.astype(np.float16), (0.01 * rng.standard_normal(40)).astype(np.float32)
+    dw16 = (rng.standard_normal(40) * 256).astype(np.float16)
+    lr, scale = np.array(2.0, np.float32), np.array(256.0, np.float32)
+    at = {"momentum": 0.9, "weight_decay": 5e-4, "trust": 1e-3}
+    ref_w, ref_v = master.copy(), v.copy()
+    kernel("lars_step").cpu([ref_w, dw16.astype(np.float32) / np.float32(256), ref_v, lr], [ref_w, ref_v], at)
+    w1, m1, v1 = run("amp_lars_step", [w, dw16, master, v, lr, scale, np.array(0.0, np.float32)], at)
+    close(m1, ref_w, 1e-6)
+    close(v1, ref_v, 1e-6)
+    np.testing.assert_array_equal(w1, m1.astype(np.float16))
+    w2, m2, v2 = run("amp_lars_step", [w, dw16, master, v, lr, scale, np.array(1.0, np.float32)], at)
+    np.testing.assert_array_equal(w2, w)
+    np.testing.assert_array_equal(m2, master)
+    np.testing.assert_array_equal(v2, v)
+
+
+def test_ema_of_an_f16_weight_is_kept_in_f32():
+    ema = np.full(4, 1.0, np.float32)
+    w = np.full(4, 1.5, np.float16)
+    out = run1("ema_update", [ema, w], {"decay": 0.999})
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.float32(1.0) + np.float32(0.001) * np.float32(0.5))
+    assert out[0] != 1.0  # an f16 average would have stayed at 1.0: the increment is below its ulp
+
+
 def test_amp_sgd_step_types():
     t = infer_types("amp_sgd_step", [((3, 4), "f16"), ((3, 4), "f16"), ((3, 4), "f32"), ((3, 4), "f32"),
                                      ((), "f32"), ((), "f32"), ((), "f32")], {})
@@ -592,6 +620,8 @@ SAMPLES = {  # a valid float64 call of every kernel here
     "nonfinite_check": ([np.array([1.0, np.nan, 3.0]), np.array(0.0)], {}),
     "amp_sgd_step": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), _f(3, 4, seed=3), np.array(0.1),
                       np.array(4.0), np.array(0.0)], {"weight_decay": 0.01}),
+    "amp_lars_step": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), _f(3, 4, seed=3), np.array(0.1),
+                       np.array(4.0), np.array(0.0)], {}),
 }
 
 
@@ -626,7 +656,7 @@ def test_an_output_may_be_an_input(key, out, inp):
 def test_in_place_updates_equal_fresh_outputs():
     """The updates as the stdlib will write them: every output into its like-named input."""
     for name in ("batchnorm_stats_update", "lars_step", "ema_update", "unscale_check",
-                 "update_scale", "offset_advance", "nonfinite_check", "amp_sgd_step"):
+                 "update_scale", "offset_advance", "nonfinite_check", "amp_sgd_step", "amp_lars_step"):
         k = kernel(name)
         _, ins, attrs = _sample(name)
         fresh = run(name, [i.copy() for i in ins], attrs)
@@ -747,7 +777,7 @@ IMG = ((2, 8, 8, 3), F)
      ["w is [3, 4]", "v is [4, 3]"]),
     ("lars_step", [((3,), F)] * 3 + [((1,), F)], {}, "S003", 3, ["lr must be a scalar"]),
     ("lars_step", [((3,), F)] * 3 + [((), F)], {"trust": -1.0}, "S003", None, ["trust"]),
-    ("ema_update", [((3,), F), ((3,), "f16")], {}, "S004", 1, ["dtypes differ"]),
+    ("ema_update", [((3,), F), ((3,), "i32")], {}, "S004", 1, ["w", "i32"]),
     ("ema_update", [((3,), F), ((3,), F)], {"decay": 2.0}, "S003", None, ["decay"]),
     ("cast", [((3,), F)], {"dtype": "i32"}, "S003", None, ["dtype must be a float dtype"]),
     ("cast", [((3,), "i32")], {}, "S004", 0, ["x must be a float"]),

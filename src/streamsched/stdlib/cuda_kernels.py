@@ -1227,8 +1227,41 @@ extern "C" __global__ void ss_lars(const X_t* w, const X_t* dw, const X_t* v, co
 }
 """
 
+# One block: the two norms (master, unscaled gradient) by ss_block_sum in double, then the
+# update of master and v in M_t (A_t) and w = master rounded to W_t.  Skipped when found_inf.
+_CNN_SRC["amplars"] = r"""
+extern "C" __global__ void ss_amp_lars(const W_t* dw, M_t* master, M_t* v, W_t* w, const S_t* lr,
+                                       const S_t* scale, const F_t* found, long long size,
+                                       double mom, double wd, double trust, double eps) {
+    if (ss_wide(found[0]) != 0.0) return;
+    __shared__ double sh[SS_B];
+    int t = threadIdx.x;
+    A_t inv = (A_t)(1.0 / ss_wide(scale[0]));
+    double sw = 0.0, sg = 0.0;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = (A_t)master[i], g = (A_t)ss_wide(dw[i]) * inv;
+        sw += (double)a * (double)a;
+        sg += (double)g * (double)g;
+    }
+    sw = ss_block_sum(sw, sh);
+    sg = ss_block_sum(sg, sh);
+    double wn = sqrt(sw), gn = sqrt(sg);
+    double local = (wn > 0.0 && gn > 0.0) ? trust * wn / (gn + wd * wn + eps) : 1.0;
+    A_t coef = (A_t)(ss_wide(lr[0]) * local);
+    A_t am = (A_t)mom, awd = (A_t)wd;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = (A_t)master[i], g = (A_t)ss_wide(dw[i]) * inv;
+        A_t vn = am * (A_t)v[i] + coef * (g + awd * a);
+        A_t m = a - vn;
+        v[i] = (M_t)vn;
+        master[i] = (M_t)m;
+        ss_put(w + i, m);
+    }
+}
+"""
+
 _CNN_SRC["ema"] = r"""
-extern "C" __global__ void ss_ema(const X_t* ema, const X_t* w, X_t* out, long long size,
+extern "C" __global__ void ss_ema(const X_t* ema, const W_t* w, X_t* out, long long size,
                                   double omd) {
     A_t k = (A_t)omd;
     SS_LOOP(i, size) {
@@ -1782,7 +1815,7 @@ def _ema_update(ctx, stream, ins, outs, attrs):
     _contiguous("ema_update", (ema, w, out))
     if out.size == 0:
         return
-    f = _cnn_fn("ema", "ss_ema", X_t=ema.dtype, A_t=_acc_of(ema.dtype))
+    f = _cnn_fn("ema", "ss_ema", X_t=ema.dtype, W_t=w.dtype, A_t=_acc_of(ema.dtype))
     _go(ctx, stream, f, _grid(out.size),
         (ema, w, out, np.int64(out.size), np.float64(1.0 - float(attrs.get("decay", 0.999)))))
 
@@ -1875,6 +1908,27 @@ def _amp_sgd_step(ctx, stream, ins, outs, attrs):
          np.int32(1 if attrs.get("nesterov", False) else 0)))
 
 
+def _amp_lars_step(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    w, dw, master, v, lr, scale, found = ins
+    w_out, m_out, v_out = outs
+    with _stream(ctx, stream):
+        for a, b in ((w, w_out), (master, m_out), (v, v_out)):
+            _same_or_copy(a, b)
+    _contiguous("amp_lars_step", (dw, w_out, m_out, v_out))
+    if lr.dtype != scale.dtype:
+        raise ValueError("amp_lars_step: lr and scale must share a dtype on the device")
+    if w.size == 0:
+        return
+    f = _cnn_fn("amplars", "ss_amp_lars", W_t=w.dtype, M_t=master.dtype, S_t=scale.dtype, F_t=found.dtype,
+                A_t=_acc_of(master.dtype))
+    _go(ctx, stream, f, (1,),
+        (dw, m_out, v_out, w_out, lr, scale, found, np.int64(w.size),
+         np.float64(attrs.get("momentum", 0.9)), np.float64(attrs.get("weight_decay", 0.0005)),
+         np.float64(attrs.get("trust", 0.001)), np.float64(attrs.get("eps", 1e-9))))
+
+
 _CNN_TWINS: dict[str, Callable] = {
     "conv2d": _conv2d,
     "conv2d_grad_x": _conv2d_grad_x,
@@ -1901,6 +1955,7 @@ _CNN_TWINS: dict[str, Callable] = {
     "update_scale": _update_scale,
     "nonfinite_check": _nonfinite_check,
     "amp_sgd_step": _amp_sgd_step,
+    "amp_lars_step": _amp_lars_step,
 }
 
 

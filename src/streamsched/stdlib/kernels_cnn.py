@@ -719,18 +719,21 @@ w, dw, v: one shape and float dtype; lr: [] float device scalar read when the ke
 def _ema_infer(k, names, t, at):
     _number(k, at, "decay", lo=0.0, hi=1.0)
     shape = _same_shape(k, t, names, (0, 1))
-    return [(shape, _floats(k, t, names, (0, 1)))]
+    _floats(k, t, names, (1,))
+    return [(shape, _floats(k, t, names, (0,)))]
 
 
 def _ema_cpu(ins, outs, at):
-    ema, w = _acc(ins[0]), _acc(ins[1])
-    _write(outs[0], ema + (1.0 - at["decay"]) * (w - ema))
+    ema = _acc(ins[0])
+    w = ins[1].astype(ema.dtype, copy=False)  # computed in the average's precision
+    _write(outs[0], ema + ema.dtype.type(1.0 - at["decay"]) * (w - ema))
 
 
 _register("ema_update", "ema w", "ema", _ema_infer, _ema_cpu, {"decay": 0.999}, doc="""
 ema = ema + (1 - decay) (w - ema), i.e. decay * ema + (1 - decay) * w written as a lerp, as
 torch.optim.swa_utils.get_ema_multi_avg_fn (torch._foreach_lerp_(ema, w, 1 - decay)).
-ema, w: one shape and float dtype -> ema, in place.
+ema, w: one shape, float dtypes (w may be narrower: the f32 average of an f16 weight) -> ema, in
+place; computed in ema's dtype (at least f32).
 """)
 
 
@@ -909,6 +912,52 @@ w = master rounded to w's dtype (the master-to-half cast, round to nearest even)
 w, dw: one shape, one float dtype (f16: the model's copy and its scaled gradient); master, v:
 same shape, one float dtype (f32); lr, scale, found_inf: [] float device scalars read when the
 kernel runs -> (w, master, v), in place.
+""")
+
+def _amp_lars_infer(k, names, t, at):
+    for a in ("momentum", "weight_decay", "trust", "eps"):
+        _number(k, at, a, lo=0.0)
+    shape = _same_shape(k, t, names, (0, 1, 2, 3))
+    wdt = _floats(k, t, names, (0, 1))
+    mdt = _floats(k, t, names, (2, 3))
+    for i in (4, 5, 6):
+        _scalar(k, t, names, i)
+    return [(shape, wdt), (shape, mdt), (shape, mdt)]
+
+
+def _amp_lars_cpu(ins, outs, at):
+    w, dw, master, v, lr_buf, scale, found = ins
+    if found.item() != 0:  # an inf/NaN gradient somewhere: skip the whole step
+        keep = [np.array(i, copy=True) for i in (w, master, v)]
+        for o, i in zip(outs, keep):
+            _write(o, i)
+        return
+    acc = _acc_dtype(master)
+    wd = at["weight_decay"]
+    inv = np.asarray(1.0 / float(scale), acc)
+    ma = master.astype(acc)
+    ga = dw.astype(acc) * inv
+    m64, g64 = ma.astype(np.float64), ga.astype(np.float64)
+    wn, gn = float(np.sqrt((m64 * m64).sum())), float(np.sqrt((g64 * g64).sum()))
+    local = at["trust"] * wn / (gn + wd * wn + at["eps"]) if wn > 0 and gn > 0 else 1.0
+    coef = np.asarray(float(lr_buf) * local, acc)
+    v_new = np.asarray(at["momentum"], acc) * v.astype(acc) + coef * (ga + np.asarray(wd, acc) * ma)
+    m_new = ma - v_new
+    _write(outs[2], v_new)
+    _write(outs[1], m_new)
+    _write(outs[0], m_new)  # the master-to-half cast
+
+
+_register("amp_lars_step", "w dw master v lr scale found_inf", "w master v", _amp_lars_infer,
+          _amp_lars_cpu, {"momentum": 0.9, "weight_decay": 0.0005, "trust": 0.001, "eps": 1e-9},
+          doc="""
+lars_step on f32 master weights under dynamic loss scaling: if found_inf != 0 nothing changes
+(the step is skipped); else g = dw / scale (dw widened to the master's compute dtype),
+local = trust * ||master|| / (||g|| + weight_decay * ||master|| + eps) (1 if a norm is 0; norms
+summed in double), v = momentum * v + lr * local * (g + weight_decay * master),
+master = master - v, and w = master rounded to w's dtype (the master-to-half cast).
+w, dw: one shape and float dtype (f16); master, v: same shape, one float dtype (f32); lr, scale,
+found_inf: [] float device scalars -> (w, master, v), in place.
 """)
 
 CNN_KERNELS: tuple[str, ...] = tuple(list(KERNELS)[_FIRST:])
