@@ -166,6 +166,17 @@ def test_checkpoint_holds_no_pickle(tmp_path):
         save_checkpoint(path, {"w": np.zeros(1)}, {"f": object()})
 
 
+def test_any_buffer_name_is_a_checkpoint_key(tmp_path):
+    """np.savez(**arrays) would reserve `file` and `allow_pickle`: a `state { file : ... }` saves."""
+    arrays = {"file": np.arange(3, dtype=np.float16), "allow_pickle": np.array(2, np.int32), "c1.w": np.ones((2, 3))}
+    save_checkpoint(tmp_path / "c.npz", arrays, _meta(step=1))
+    back, _ = load_checkpoint(tmp_path / "c.npz")
+    assert set(back) == set(arrays)
+    for k, v in arrays.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        np.testing.assert_array_equal(back[k], v)
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.npz"
     save_checkpoint(path, {"w": np.arange(4.0)}, _meta(step=1))
@@ -182,11 +193,11 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert load_checkpoint(path)[1]["step"] == 2
 
     # A failure part-way through writing leaves the old checkpoint whole and no temporary file.
-    def boom(f, **kw):
-        f.write(b"PK\x03\x04 half a zip")
+    def boom(fh, arr, **kw):
+        fh.write(b"\x93NUMPY half an array")
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", boom)
+    monkeypatch.setattr(np.lib.format, "write_array", boom)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(path, {"w": np.arange(6.0)}, _meta(step=3))
     monkeypatch.undo()

@@ -100,7 +100,16 @@ def test_a_normal_scale_trains_and_keeps_w_the_f16_copy_of_the_master():
 @pytest.mark.parametrize("text,code,words", [
     (AMP_TEXT.replace("backward resnet * loss_scale", "backward resnet * lossscale"), "S007",
      "no device scalar `lossscale`"),
-    (AMP_TEXT.replace("clear found_inf", "clear foundinf"), "S007", "no device buffer `foundinf`"),
+    (AMP_TEXT.replace("clear found_inf", "clear foundinf"), "S007", "no `state` buffer `foundinf`"),
+    (AMP_TEXT.replace("clear found_inf", "clear r1"), "S015", "`r1` is not a `state` buffer"),
+    (AMP_TEXT.replace("update_scale(loss_scale, found_inf, good_steps", "update_scale(loss_scale, found_inf, loss_scale"),
+     "S002", "two outputs of `update_scale` are the same buffer `loss_scale`"),
+    (AMP_TEXT.replace("found_inf  : f32[] = 0 ", "x  : f32[] = 0 "), "S002", "`x` is already a buffer of the model"),
+    (AMP_TEXT.replace("found_inf  : f32[] = 0 ", "found_inf  : f32[] = glorot "), "S015", "initializes weights"),
+    (AMP_TEXT.replace("good_steps : i32[] = 0 ", "good_steps : i32[] = 99999999999 "), "S004", "cannot hold"),
+    (AMP_TEXT.replace("found_inf  : f32[] = 0 ", "found_inf  : f32[] = true "), "S015", "not true"),
+    (AMP_TEXT.replace("backward resnet * loss_scale", "backward resnet * lr"), "S007", "`lr` is a host value"),
+    (AMP_TEXT.replace("backward resnet * loss_scale", "backward resnet * r1"), "S007", "`r1` is a value of the model"),
     (AMP_TEXT.replace("good_steps : i32[] = 0 ", "good_steps : i32[] = zeroes "), "S007", "unknown name"),
     (AMP_TEXT.replace("found_inf  : f32[] = 0", "found_inf  : f32[] = \"no\""), "S015", "starts as a number"),
     (AMP_TEXT.replace("found_inf  : f32[] = 0", "found_inf  : f17[] = 0"), "S015", "unknown dtype `f17`"),
@@ -114,6 +123,13 @@ def test_mistakes_in_the_mixed_precision_forms(text, code, words):
     assert any(d.code == code and words in d.message for d in diags), [(d.code, d.message) for d in diags]
 
 
+def test_a_broken_state_is_reported_once():
+    text = AMP_TEXT.replace("found_inf  : f32[] = 0 ", "found_inf  : f32[batch] = 0 ")
+    with pytest.raises(StreamschedError) as e:
+        _compile(text)
+    assert [d.code for d in e.value.diagnostics] == ["S007"]  # `batch` is unknown there; no follow-ups
+
+
 def test_a_dtype_variable_must_be_bound_by_an_input():
     text = AMP_TEXT.replace("graph load[a, b]", """op make(x) -> y : T[4] on comp1 {
     y = copy(x)
@@ -122,3 +138,40 @@ graph load[a, b]""").replace("    d      = dropout(f, p = 0.1)", "    d      = d
     with pytest.raises(StreamschedError) as e:
         _compile(text)
     assert any(d.code == "S004" and "`T` is not bound" in d.message for d in e.value.diagnostics)
+
+
+def _s024(text):
+    c = _compile(text)
+    return [(d.severity, d.message) for d in c.diagnostics if d.code == "S024"]
+
+
+@pytest.mark.parametrize("old,new,words", [
+    ("backward resnet * loss_scale", "backward resnet", "the backward is not scaled"),
+    ("clear grad(resnet); clear found_inf", "clear grad(resnet)", "`found_inf` is never cleared"),
+    ("    nonfinite(resnet, found_inf)\n", "", "no check sets it"),
+    ("sgd_amp(resnet, lr, loss_scale, found_inf, momentum = 0.9, weight_decay = 0.0001)",
+     "sgd(resnet, lr, momentum = 0.9)", "does not unscale them"),
+])
+def test_miswired_mixed_precision_is_s024(old, new, words):
+    assert old in AMP_TEXT
+    found = _s024(AMP_TEXT.replace(old, new))
+    assert any(sev == "error" and words in msg for sev, msg in found), found
+
+
+def test_the_amp_example_has_no_s024_and_an_f16_model_with_plain_sgd_is_warned():
+    assert _s024(AMP_TEXT) == []
+    plain = (AMP_TEXT.replace("backward resnet * loss_scale", "backward resnet")
+             .replace("    nonfinite(resnet, found_inf)\n", "")
+             .replace("sgd_amp(resnet, lr, loss_scale, found_inf, momentum = 0.9, weight_decay = 0.0001)",
+                      "sgd(resnet, lr, momentum = 0.9)")
+             .replace("    update_scale(loss_scale, found_inf, good_steps, interval = 2000)\n", ""))
+    found = _s024(plain)
+    assert found and all(sev == "warning" and "updates f16 parameters in f16" in msg for sev, msg in found)
+    assert _compile(plain).ok  # a warning: it still runs
+
+
+def test_bf16_is_refused_where_it_is_declared():
+    with pytest.raises(StreamschedError) as e:
+        _compile(AMP_TEXT.replace("input x : f16[", "input x : bf16["))
+    assert [d.code for d in e.value.diagnostics] == ["S004"]
+    assert "bfloat16" in e.value.diagnostics[0].message

@@ -27,6 +27,12 @@ KNOWN_HOST_VALUES = ("lr", "step")
 FLOAT_DTYPES = ("f16", "bf16", "f32", "f64")
 
 
+# The values an integer or float state can start at (finite; f16's largest is 65504).
+_DTYPE_RANGE = {"i8": (-2 ** 7, 2 ** 7 - 1), "u8": (0, 2 ** 8 - 1), "i16": (-2 ** 15, 2 ** 15 - 1),
+                "i32": (-2 ** 31, 2 ** 31 - 1), "i64": (-2 ** 63, 2 ** 63 - 1),
+                "f16": (-65504.0, 65504.0), "bf16": (-3.38e38, 3.38e38), "f32": (-3.4028234e38, 3.4028234e38)}
+
+
 def is_dtype_var(name: str) -> bool:
     """A dtype variable in an op signature is a single capital letter (`x : T[n, k]`): it binds to
     the dtype of the first typed input it appears in, as dimension variables bind to sizes."""
@@ -94,6 +100,7 @@ class Resolver:
         self.runs: dict[str, Span | None] = {}  # ForwardStmt / BackwardStmt / optimizer -> a span
         self.state_decls: dict[str, A.StateDecl] = {}  # `state { NAME : TYPE = INIT }`
         self.loss_scale = ""  # the device scalar a `backward M * S` seeds the backward with
+        self.broken_states: set[str] = set()  # `state` declarations that failed (reported once)
 
     # ------------------------------------------------------------------ helpers
     def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
@@ -315,6 +322,8 @@ class Resolver:
             elif dims[key] != dtype:
                 self.fail("S004", f"{what} has dtype {dtype}, but `{t.dtype.id}` is {dims[key]} (bound by an "
                           f"earlier argument)", at, labels=[Label(decl, "required here")] if decl else [])
+        elif t.dtype.id not in DTYPE_BYTES:
+            self.type_dtype(t, dims)  # S015: unknown dtype
         elif t.dtype.id != dtype:
             self.fail("S004", f"{what} has dtype {dtype}, but `{t.dtype.id}` is required",
                       at, labels=[Label(decl, "required here")] if decl else [],
@@ -346,6 +355,9 @@ class Resolver:
         if t.dtype.id not in DTYPE_BYTES:
             self.fail("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span,
                       help=f"dtypes: {', '.join(DTYPE_BYTES)}; a single capital letter (`T`) is a dtype variable")
+        if t.dtype.id == "bf16":
+            self.fail("S004", "bf16 buffers cannot run: neither backend has a bfloat16 array type (NumPy, CuPy)",
+                      t.dtype.span, help="use f16 for mixed precision")
         return t.dtype.id
 
     def type_shape(self, t: A.TypeExpr, dims: dict[str, Any]) -> tuple[tuple[int, ...], str]:
@@ -500,6 +512,11 @@ class Resolver:
              into=None, kind="act") -> None:
         """Type-check one launch, create its output buffers, append its template."""
         k = _kernels()[kname]
+        dup = next((o for i, o in enumerate(outs) if o in outs[:i]), None)
+        if dup is not None:
+            at = call_span if (stdlib and call_span is not None) else span
+            self.fail("S002", f"two outputs of `{kname}` are the same buffer `{dup}`: one result would "
+                      f"overwrite the other", at, help="pass a distinct buffer for each output")
         in_types = [self.btype(a) for a in args]
         all_attrs = {**k.attrs, **dict(attrs)}
         if not k.inputs and outs and self.has(outs[0]):
@@ -917,28 +934,42 @@ class Resolver:
 
     def declare_states(self) -> None:
         """`state { NAME : TYPE = INIT }`: device buffers outside every model (the loss
-        scale, an overflow flag), initialized once, checkpointed."""
+        scale, an overflow flag), initialized once, checkpointed.  A declaration that fails is
+        remembered, so its uses stay quiet instead of repeating the mistake as S007."""
         for name, d in self.state_decls.items():
             try:
-                if name in self.buffers or name in KNOWN_HOST_VALUES:
+                taken = name in self.buffers or any(f"{name}[{s}]" in self.buffers for s in self.slots)
+                if taken or name in KNOWN_HOST_VALUES:
                     what = "a host value" if name in KNOWN_HOST_VALUES else "already a buffer of the model"
                     self.fail("S002", f"`state {name}`: `{name}` is {what}", d.name.span,
                               help="give the state another name")
+                if name.startswith("__"):
+                    self.fail("S015", f"`state {name}`: names starting with `__` are reserved", d.name.span)
                 shape, dtype = self.type_shape(d.type, {})
                 init = "zeros"
-                if isinstance(d.init, A.Var) and d.init.name.id in INITS:
+                if isinstance(d.init, A.Var) and d.init.name.id in ("zeros", "ones"):
                     init = d.init.name.id
+                elif isinstance(d.init, A.Var) and d.init.name.id in INITS:
+                    self.fail("S015", f"`state {name}` starts as a number, `zeros` or `ones`; "
+                              f"`{d.init.name.id}` initializes weights", d.init.span)
                 elif d.init is not None:
                     v = self.const(d.init, {})
                     if isinstance(v, bool) or not isinstance(v, (int, float)):
-                        self.fail("S015", f"`state {name}` starts as a number or an init "
-                                  f"({', '.join(INITS)}), not {v!r}", d.init.span)
+                        shown = ("true" if v else "false") if isinstance(v, bool) else \
+                            (f'"{v}"' if isinstance(v, str) else str(v))
+                        self.fail("S015", f"`state {name}` starts as a number, `zeros` or `ones`, not {shown}",
+                                  d.init.span)
                     if dtype not in FLOAT_DTYPES and float(v) != int(v):
-                        self.fail("S004", f"`state {name}` is {dtype}, but its initial value {v!r} is not an "
+                        self.fail("S004", f"`state {name}` is {dtype}, but its initial value {v} is not an "
                                   f"integer", d.init.span)
+                    lo, hi = _DTYPE_RANGE.get(dtype, (None, None))
+                    if hi is not None and not lo <= v <= hi:
+                        self.fail("S004", f"`state {name}` is {dtype}, which cannot hold {v} (range {lo:g} to "
+                                  f"{hi:g})", d.init.span)
                     init = f"const:{v!r}"
                 self.add_buffer(name, shape, dtype, "state", d.span, init=init)
             except _Abort:
+                self.broken_states.add(name)
                 continue
 
     def model_ref(self, m: A.Name, model_name: str) -> None:
@@ -957,9 +988,20 @@ class Resolver:
         """`backward M * S`: the backward with its gradient seed d(loss) read from the device
         scalar S (dynamic loss scaling: every gradient comes out multiplied by S) instead of 1."""
         sname = st.scale
-        if sname.id not in self.buffers or self.buffers[sname.id].kind not in ("state", "scalar"):
-            self.fail("S007", f"`backward {st.model.id} * {sname.id}`: no device scalar `{sname.id}`", sname.span,
-                      help=f"declare it at the top level: `state {{ {sname.id} : f32[] = 65536 }}`")
+        if sname.id in self.broken_states:
+            raise _Abort()
+        b = self.buffers.get(sname.id)
+        if b is None or b.kind != "state":
+            if sname.id in KNOWN_HOST_VALUES or (b is not None and b.kind == "scalar"):
+                why, help_ = (f"`{sname.id}` is a host value, not a loss scale",
+                              "the loss scale is a `state { }` buffer: `state { loss_scale : f32[] = 65536 }`")
+            elif b is not None or any(f"{sname.id}[{s}]" in self.buffers for s in self.slots):
+                why, help_ = (f"`{sname.id}` is a value of the model, not a loss scale",
+                              "the loss scale is a `state { }` buffer: `state { loss_scale : f32[] = 65536 }`")
+            else:
+                why, help_ = (f"no device scalar `{sname.id}`",
+                              f"declare it at the top level: `state {{ {sname.id} : f32[] = 65536 }}`")
+            self.fail("S007", f"`backward {st.model.id} * {sname.id}`: {why}", sname.span, help=help_)
         have = self.btype(sname.id)
         seed = self.btype("d.loss")
         if have[0] != ():
@@ -973,11 +1015,16 @@ class Resolver:
 
     def graph_call_targets(self, call: A.Call | A.Name, model_name: str) -> list[str]:
         if isinstance(call, A.Name):
+            if call.id in self.broken_states:
+                raise _Abort()
             b = self.buffers.get(call.id)
-            if b is None or b.space != "device" or b.kind == "staging":
-                self.fail("S007", f"`clear {call.id}`: no device buffer `{call.id}`", call.span,
-                          help="`clear grad(MODEL)` zeroes a model's gradients; `clear NAME` one buffer, "
-                               "such as a `state { }` declaration")
+            help_ = ("`clear grad(MODEL)` zeroes a model's gradients; `clear NAME` one buffer of a `state { }` "
+                     "block (an overflow flag, a counter)")
+            if b is None:
+                self.fail("S007", f"`clear {call.id}`: no `state` buffer `{call.id}`", call.span, help=help_)
+            if b.kind != "state" or b.name not in self.state_decls:
+                self.fail("S015", f"`clear {call.id}`: `{call.id}` is not a `state` buffer: clearing it would "
+                          "overwrite what the step computes or loads", call.span, help=help_)
             return [call.id]
         if call.func.id != "grad" or len(call.args) != 1 or not isinstance(call.args[0], A.Var):
             self.fail("S015", "`clear` takes `grad(MODEL)`", call.span)
@@ -1003,6 +1050,8 @@ class Resolver:
 
     def device_scalar(self, v: A.Var) -> str:
         n = v.name.id
+        if n in self.broken_states:
+            raise _Abort()
         if n in self.buffers and self.buffers[n].kind != "scalar":
             return n
         if n in self.uploads_planned:

@@ -33,7 +33,7 @@ from streamsched.interp.ir import Span
 
 FORMAT_VERSION = 1
 META_KEY = "__meta__"
-_RESERVED = {META_KEY, "file", "allow_pickle"}  # np.savez's own parameter names
+_RESERVED = {META_KEY}
 
 
 def program_hash(text: str) -> str:
@@ -79,7 +79,12 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **clean)
+            # np.savez's layout (one NAME.npy per array, stored), written member by member so
+            # that any buffer name is a key (np.savez(**arrays) reserves `file`, `allow_pickle`)
+            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for key, arr in clean.items():
+                    with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, arr, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

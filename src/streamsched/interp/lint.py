@@ -73,3 +73,63 @@ def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]
 
 def _inputs(schedule: Schedule) -> set[str]:
     return {b.name.split("[")[0] for b in schedule.buffers if b.kind == "input"}
+
+
+# Mixed precision (S024): the pieces of dynamic loss scaling must be wired to each other.
+_AMP_OPTIMIZERS = {"amp_sgd_step": (5, 6), "amp_lars_step": (5, 6)}  # kernel -> (scale, found_inf) args
+_PLAIN_OPTIMIZERS = ("sgd_step", "adam_step", "lars_step")
+_FLAG_SETTERS = ("nonfinite_check", "unscale_check")
+
+
+def _op_name(t: Task) -> str:
+    """`optimize: sgd_amp@c1.w.w` -> `sgd_amp`."""
+    return (t.label or t.kernel).split(": ")[-1].split("@")[0]
+
+
+def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
+    """S024: mixed-precision schedules that run race-free and train wrongly.
+
+    - an optimizer that unscales (`sgd_amp`, `lars_amp`) by a buffer other than the backward's
+      seed (`backward M * S`), or when the backward is not scaled at all (error);
+    - its overflow flag never set by a `nonfinite` check, or never cleared in the step (after
+      the first overflow every step would be skipped) (error);
+    - a scaled backward feeding an optimizer that does not unscale (`sgd`, `adam`, `lars`) (error);
+    - an f16 parameter updated in f16 by such an optimizer, without f32 master weights (warning).
+    Source: Micikevicius et al., "Mixed Precision Training" (2018); torch.amp.GradScaler.
+    """
+    bufs = schedule.buffer_map()
+    written_by: dict[str, set[str]] = {}
+    for t in schedule.tasks:
+        for o in t.outs:
+            written_by.setdefault(_base(o), set()).add(t.kernel)
+    out: list[Diagnostic] = []
+    for t in schedule.tasks:
+        op = _op_name(t)
+        if t.kernel in _AMP_OPTIMIZERS:
+            si, fi = _AMP_OPTIMIZERS[t.kernel]
+            scale, found = _base(t.args[si]), _base(t.args[fi])
+            if scale != loss_scale:
+                why = (f"the backward is scaled by `{loss_scale}`" if loss_scale else "the backward is not scaled")
+                out.append(Diagnostic("S024", f"`{op}` unscales the gradients by `{scale}`, but {why}", t.span,
+                                      help=f"seed the backward with the same scale: `backward MODEL * {scale}`"))
+            setters = written_by.get(found, set())
+            if not setters & set(_FLAG_SETTERS):
+                out.append(Diagnostic("S024", f"`{op}` skips the step when `{found}` is set, but no check sets it",
+                                      t.span, help=f"run `nonfinite(MODEL, {found})` on the update stream before it"))
+            elif "fill" not in setters:
+                out.append(Diagnostic("S024", f"`{found}` is never cleared: after the first overflow `{op}` would "
+                                      f"skip every step", t.span,
+                                      help=f"clear it each step before the check: `clear {found}` in the zero-grad graph"))
+        elif t.kernel in _PLAIN_OPTIMIZERS:
+            if loss_scale:
+                out.append(Diagnostic("S024", f"`{op}` reads gradients multiplied by the loss scale `{loss_scale}` "
+                                      "and does not unscale them", t.span,
+                                      help="use `sgd_amp` or `lars_amp`, which unscale and skip overflowing steps"))
+            else:
+                w = bufs.get(t.args[0])
+                if w is not None and w.dtype in ("f16", "bf16"):
+                    out.append(Diagnostic(
+                        "S024", f"`{op}` updates {w.dtype} parameters in {w.dtype}: updates smaller than their "
+                        "rounding step are lost, and small gradients underflow", t.span, severity="warning",
+                        help="use `sgd_amp` or `lars_amp` (f32 master weights) with `backward MODEL * loss_scale`"))
+    return out
