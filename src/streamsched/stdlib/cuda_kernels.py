@@ -1555,13 +1555,18 @@ def _conv2d(ctx, stream, ins, outs, attrs):
     return _conv2d_gemm(ctx, stream, ins, outs, attrs)
 
 
+def _conv_checked(name: str, ins, outs, attrs, x_shape, w_shape, y_shape):
+    """The checks every GEMM convolution twin makes (C-contiguous, outputs apart from inputs),
+    then (n, h, w, c, kh, kw, k, oh, ow, stride, pad)."""
+    _contiguous(name, tuple(ins) + tuple(outs))
+    _disjoint(name, ins, outs)
+    return _conv_shapes(x_shape, w_shape, y_shape) + (int(attrs.get("stride", 1)), int(attrs.get("pad", 0)))
+
+
 def _conv2d_gemm(ctx, stream, ins, outs, attrs):
     x, w = ins
     y = outs[0]
-    _contiguous("conv2d", (x, w, y))
-    _disjoint("conv2d", ins, outs)
-    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(x.shape, w.shape, y.shape)
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d", ins, outs, attrs, x.shape, w.shape, y.shape)
     if y.size == 0:
         return
     cols = _im2col(ctx, stream, x, kh, kw, oh, ow, s, p)
@@ -1578,10 +1583,8 @@ def _conv2d_grad_x(ctx, stream, ins, outs, attrs):
 def _conv2d_grad_x_gemm(ctx, stream, ins, outs, attrs):
     dy, w = ins
     dx = outs[0]
-    _contiguous("conv2d_grad_x", (dy, w, dx))
-    _disjoint("conv2d_grad_x", ins, outs)
-    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(dx.shape, w.shape, dy.shape)
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d_grad_x", ins, outs, attrs, dx.shape, w.shape,
+                                                         dy.shape)
     if dx.size == 0:
         return
     dy2, w2 = dy.reshape(n * oh * ow, k), w.reshape(kh * kw * c, k)
@@ -1608,10 +1611,8 @@ def _conv2d_grad_w(ctx, stream, ins, outs, attrs):
 def _conv2d_grad_w_gemm(ctx, stream, ins, outs, attrs):
     x, dy = ins
     dw = outs[0]
-    _contiguous("conv2d_grad_w", (x, dy, dw))
-    _disjoint("conv2d_grad_w", ins, outs)
-    n, h, wd, c, kh, kw, k, oh, ow = _conv_shapes(x.shape, dw.shape, dy.shape)
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d_grad_w", ins, outs, attrs, x.shape, dw.shape,
+                                                         dy.shape)
     if dw.size == 0:
         return
     cols = _im2col(ctx, stream, x, kh, kw, oh, ow, s, p)
@@ -1887,7 +1888,10 @@ def _nonfinite_check(ctx, stream, ins, outs, attrs):
     _go(ctx, stream, f, _grid(g.size), (g, found_out, np.int64(g.size)))
 
 
-def _amp_sgd_step(ctx, stream, ins, outs, attrs):
+def _amp_update(ctx, stream, ins, outs, name: str, group: str, fn: str, grid, extra: tuple) -> None:
+    """The twins of amp_sgd_step / amp_lars_step: (w, dw, master, v, lr, scale, found_inf) ->
+    (w, master, v), in place (outputs given apart from inputs get copies first); the kernel
+    skips everything when found_inf is set.  extra: the kernel's attribute arguments."""
     import numpy as np
 
     w, dw, master, v, lr, scale, found = ins
@@ -1895,38 +1899,30 @@ def _amp_sgd_step(ctx, stream, ins, outs, attrs):
     with _stream(ctx, stream):
         for a, b in ((w, w_out), (master, m_out), (v, v_out)):
             _same_or_copy(a, b)
-    _contiguous("amp_sgd_step", (dw, w_out, m_out, v_out))
+    _contiguous(name, (dw, w_out, m_out, v_out))
     if lr.dtype != scale.dtype:
-        raise ValueError("amp_sgd_step: lr and scale must share a dtype on the device")
+        raise ValueError(f"{name}: lr and scale must share a dtype on the device")
     if w.size == 0:
         return
-    f = _cnn_fn("ampsgd", "ss_amp_sgd", W_t=w.dtype, M_t=master.dtype, S_t=scale.dtype, F_t=found.dtype,
+    f = _cnn_fn(group, fn, W_t=w.dtype, M_t=master.dtype, S_t=scale.dtype, F_t=found.dtype,
                 A_t=_acc_of(master.dtype))
-    _go(ctx, stream, f, _grid(w.size),
-        (dw, m_out, v_out, w_out, lr, scale, found, np.int64(w.size),
-         np.float64(float(attrs.get("momentum", 0.9))), np.float64(float(attrs.get("weight_decay", 0.0))),
-         np.int32(1 if attrs.get("nesterov", False) else 0)))
+    _go(ctx, stream, f, grid, (dw, m_out, v_out, w_out, lr, scale, found, np.int64(w.size)) + extra)
+
+
+def _amp_sgd_step(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    _amp_update(ctx, stream, ins, outs, "amp_sgd_step", "ampsgd", "ss_amp_sgd", _grid(ins[0].size),
+                (np.float64(float(attrs.get("momentum", 0.9))), np.float64(float(attrs.get("weight_decay", 0.0))),
+                 np.int32(1 if attrs.get("nesterov", False) else 0)))
 
 
 def _amp_lars_step(ctx, stream, ins, outs, attrs):
     import numpy as np
 
-    w, dw, master, v, lr, scale, found = ins
-    w_out, m_out, v_out = outs
-    with _stream(ctx, stream):
-        for a, b in ((w, w_out), (master, m_out), (v, v_out)):
-            _same_or_copy(a, b)
-    _contiguous("amp_lars_step", (dw, w_out, m_out, v_out))
-    if lr.dtype != scale.dtype:
-        raise ValueError("amp_lars_step: lr and scale must share a dtype on the device")
-    if w.size == 0:
-        return
-    f = _cnn_fn("amplars", "ss_amp_lars", W_t=w.dtype, M_t=master.dtype, S_t=scale.dtype, F_t=found.dtype,
-                A_t=_acc_of(master.dtype))
-    _go(ctx, stream, f, (1,),
-        (dw, m_out, v_out, w_out, lr, scale, found, np.int64(w.size),
-         np.float64(attrs.get("momentum", 0.9)), np.float64(attrs.get("weight_decay", 0.0005)),
-         np.float64(attrs.get("trust", 0.001)), np.float64(attrs.get("eps", 1e-9))))
+    _amp_update(ctx, stream, ins, outs, "amp_lars_step", "amplars", "ss_amp_lars", (1,),
+                (np.float64(attrs.get("momentum", 0.9)), np.float64(attrs.get("weight_decay", 0.0005)),
+                 np.float64(attrs.get("trust", 0.001)), np.float64(attrs.get("eps", 1e-9))))
 
 
 _CNN_TWINS: dict[str, Callable] = {

@@ -867,11 +867,10 @@ g: float, any shape; found_inf: [] float device scalar -> found_inf (in place).
 """)
 
 
-def _amp_sgd_infer(k, names, t, at):
-    momentum = _number(k, at, "momentum", lo=0.0)
-    _number(k, at, "weight_decay", lo=0.0)
-    if _flag(k, at, "nesterov") and momentum <= 0:
-        raise _attr_error(k, "nesterov=true needs momentum > 0 (as torch.optim.SGD)")
+def _amp_types(k, names, t):
+    """(w, dw, master, v, lr, scale, found_inf) -> types of (w, master, v): w and dw share a shape
+    and float dtype (f16), master and v that shape in their own float dtype (f32); the rest are
+    float scalars."""
     shape = _same_shape(k, t, names, (0, 1, 2, 3))
     wdt = _floats(k, t, names, (0, 1))
     mdt = _floats(k, t, names, (2, 3))
@@ -880,12 +879,28 @@ def _amp_sgd_infer(k, names, t, at):
     return [(shape, wdt), (shape, mdt), (shape, mdt)]
 
 
+def _amp_skipped(found, state, outs) -> bool:
+    """An inf/NaN gradient somewhere (found_inf != 0): the whole step is skipped, every output
+    keeps its input's value (copied first: outputs may alias inputs).  True when skipped."""
+    if found.item() == 0:
+        return False
+    keep = [np.array(i, copy=True) for i in state]
+    for o, i in zip(outs, keep):
+        _write(o, i)
+    return True
+
+
+def _amp_sgd_infer(k, names, t, at):
+    momentum = _number(k, at, "momentum", lo=0.0)
+    _number(k, at, "weight_decay", lo=0.0)
+    if _flag(k, at, "nesterov") and momentum <= 0:
+        raise _attr_error(k, "nesterov=true needs momentum > 0 (as torch.optim.SGD)")
+    return _amp_types(k, names, t)
+
+
 def _amp_sgd_cpu(ins, outs, at):
     w, dw, master, v, lr_buf, scale, found = ins
-    if found.item() != 0:  # an inf/NaN gradient somewhere: skip the whole step
-        keep = [np.array(i, copy=True) for i in (w, master, v)]  # outputs may alias inputs
-        for o, i in zip(outs, keep):
-            _write(o, i)
+    if _amp_skipped(found, (w, master, v), outs):
         return
     acc = master.dtype
     mu, wd = at["momentum"], at["weight_decay"]
@@ -917,20 +932,12 @@ kernel runs -> (w, master, v), in place.
 def _amp_lars_infer(k, names, t, at):
     for a in ("momentum", "weight_decay", "trust", "eps"):
         _number(k, at, a, lo=0.0)
-    shape = _same_shape(k, t, names, (0, 1, 2, 3))
-    wdt = _floats(k, t, names, (0, 1))
-    mdt = _floats(k, t, names, (2, 3))
-    for i in (4, 5, 6):
-        _scalar(k, t, names, i)
-    return [(shape, wdt), (shape, mdt), (shape, mdt)]
+    return _amp_types(k, names, t)
 
 
 def _amp_lars_cpu(ins, outs, at):
     w, dw, master, v, lr_buf, scale, found = ins
-    if found.item() != 0:  # an inf/NaN gradient somewhere: skip the whole step
-        keep = [np.array(i, copy=True) for i in (w, master, v)]
-        for o, i in zip(outs, keep):
-            _write(o, i)
+    if _amp_skipped(found, (w, master, v), outs):
         return
     acc = _acc_dtype(master)
     wd = at["weight_decay"]
