@@ -429,3 +429,28 @@ def test_batches_that_do_not_fit_are_X006():
         d = only(e)
         assert d.code == "X006" and d.span == SPAN and "between 1 and 10" in d.help
     assert Batches(x, y, batch=10, seed=0).steps_per_epoch == 1
+
+
+def test_a_data_path_in_an_included_file_is_relative_to_that_file(tmp_path):
+    """`include "sub/train.inc"` whose train block says `npz("d.npz")` reads sub/d.npz, both in
+    `check` and in `run` (not a d.npz next to the top file)."""
+    import os
+
+    from streamsched.interp.train import TrainOptions, check_train_settings, train
+    from streamsched.pipeline import compile_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "sub").mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "sub" / "d.npz", x_train=rng.random((256, 64)).astype("f4"),
+             y_train=rng.integers(0, 10, 256), x_test=rng.random((32, 64)).astype("f4"),
+             y_test=rng.integers(0, 10, 32))
+    (tmp_path / "sub" / "train.inc").write_text('train {\n    model = mlp\n    data = npz("d.npz")\n'
+                                                '    epochs = 1\n}\n')
+    text = open(os.path.join(root, "examples", "mlp_digits.sched"), encoding="utf-8").read()
+    top = tmp_path / "top.sched"
+    top.write_text(text[:text.index("train {")] + 'include "sub/train.inc"\n')
+    c = compile_file(str(top))
+    assert check_train_settings(c.program) == []
+    res = train(c, TrainOptions(backend="cpu", max_steps=1, progress=False), base_dir=str(tmp_path))
+    assert res.steps == 1

@@ -338,12 +338,55 @@ def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
     val = str(tok)
     end_col = (tok.end_column or (tok.column + max(1, len(val))))
     what = f"`{val}`" if tok.type not in ("$END",) else "end of file"
+    misnamed = _misnamed_block(text, getattr(tok, "start_pos", None), path)
+    if misnamed is not None:  # `stream {`: a typo in a block's name, seen as an unknown block
+        name, span, guess = misnamed
+        return Diagnostic("P002", f"unknown block `{name}`",
+                          span, help=f"did you mean `{guess} {{`?")
     return Diagnostic(
         "P002",
         f"unexpected {what}",
         Span(path, tok.line, tok.column, tok.end_line or tok.line, end_col),
         help=_expected(exc),
     )
+
+
+_BLOCKS = ("streams", "state", "model", "graph", "step", "train", "op", "place", "barriers", "include")
+
+
+def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, str] | None:
+    """When the error lies inside a top-level `NAME {` block whose NAME is not a keyword but
+    close to one (`stream`, `Streams`, `modle`): (NAME, its span, the keyword).  The grammar
+    reads any `NAME {` as a train-like block, so a typo there otherwise fails at the first line
+    of its body, far from the mistake."""
+    import difflib
+    import re
+
+    if pos is None:
+        return None
+    depth, start = 0, None
+    for m in re.finditer(r"#[^\n]*|\"[^\"\n]*\"|[{}]", text[:pos]):
+        t = m.group()
+        if t == "{":
+            if depth == 0:
+                start = m.start()
+            depth += 1
+        elif t == "}":
+            depth = max(0, depth - 1)
+    if depth == 0 or start is None:
+        return None
+    head = re.search(r"([A-Za-z_][A-Za-z0-9_]*)\s*$", text[:start])
+    if head is None:
+        return None
+    name = head.group(1)
+    if name in _BLOCKS:
+        return None
+    guess = difflib.get_close_matches(name.lower(), [b for b in _BLOCKS if b != "train"], n=1, cutoff=0.75)
+    if not guess:
+        return None
+    line = text.count("\n", 0, head.start(1)) + 1
+    col = head.start(1) - (text.rfind("\n", 0, head.start(1)) + 1) + 1
+    return name, Span(path, line, col, line, col + len(name)), guess[0]
 
 
 MAX_NESTING = 100

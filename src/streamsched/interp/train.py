@@ -295,6 +295,14 @@ def _check_output(path: Any, noun: str, flag: str | None, span, program_path: st
     return path
 
 
+def setting_dir(span, default: str) -> str:
+    """The folder a path written at `span` is relative to: the folder of the file that wrote it
+    (an included file's own folder), else `default` (the top file's)."""
+    if span is not None and getattr(span, "file", "") and os.path.exists(span.file):
+        return os.path.dirname(os.path.abspath(span.file))
+    return default
+
+
 def check_train_settings(program) -> list[Diagnostic]:
     """What `streamsched check` can say about the `train` block without loading data or
     training: whole-number epochs and seed, a known learning-rate schedule with valid arguments,
@@ -323,7 +331,7 @@ def check_train_settings(program) -> list[Diagnostic]:
     if "data" in tv:
         dname, dargs, dkw = _call(tv["data"], "digits")
         span = spans.get("data")
-        base = os.path.dirname(os.path.abspath(program.path))
+        base = setting_dir(span, os.path.dirname(os.path.abspath(program.path)))
 
         def data() -> None:
             if dname == "digits":
@@ -337,7 +345,7 @@ def check_train_settings(program) -> list[Diagnostic]:
                 path = resolve_path(dname, a["path"], base, span)
                 if not os.path.exists(path):
                     raise _x("X002", f"{dname}: `{a['path']}` does not exist (looked for {path})", span,
-                             help="relative paths are relative to the .sched file's folder")
+                             help="relative paths are relative to the folder of the .sched file that writes them")
             else:
                 raise _x("X001", f"unknown data source `{dname}`", span,
                          help=f"known sources: {', '.join(SOURCES)}")
@@ -396,12 +404,12 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     elif tv.get("log") is not None:  # the train block's `log = "run.jsonl"`, relative to the .sched file
         log_v = tv["log"]
         if isinstance(log_v, str) and log_v:
-            log_v = os.path.join(base_dir, os.path.expanduser(log_v))
+            log_v = os.path.join(setting_dir(spans.get("log"), base_dir), os.path.expanduser(log_v))
         log = _check_output(log_v, "the log", None, spans.get("log"), program.path, append=True)
     else:
         log = None
     dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
-    ds = load_dataset(dname, dargs, dkw, base_dir=base_dir, span=spans.get("data"))
+    ds = load_dataset(dname, dargs, dkw, base_dir=setting_dir(spans.get("data"), base_dir), span=spans.get("data"))
     feat, lab = _input_names(program)
     in_shape = next(s for n, s, _ in m.inputs if n == feat)
     lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
