@@ -405,3 +405,16 @@ def test_run_prints_compile_warnings(tmp_path, capsys, monkeypatch):
     rc, out, err = run_tiny(capsys, project(tmp_path))
     assert rc == 0, err
     assert "warning[S015]: a test warning" in err and "cpu: 8 steps" in out
+
+
+def test_an_unused_op_signature_is_checked_where_it_is_defined(tmp_path):
+    """Types and inits of an op no model calls: a bare dtype outside optimizer state, an unknown
+    init and an unknown dtype are each S015 at their own column, once."""
+    from streamsched.pipeline import check_file
+
+    p = tmp_path / "unused.sched"
+    p.write_text("streams { comp1 : compute }\n"
+                 "op g(x : f32[n, k], param w : f32 = ones, param b : T[k] = bogus) -> y : f17[n] on comp1 {\n"
+                 "    y = matmul(x, w)\n}\n")
+    got = sorted((d.code, d.span.line, d.span.col) for d in check_file(str(p)))
+    assert got == [("S015", 2, 31), ("S015", 2, 60), ("S015", 2, 74)]

@@ -104,7 +104,9 @@ class Resolver:
 
     # ------------------------------------------------------------------ helpers
     def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
-        self.diags.append(Diagnostic(code, msg, span, help=help, labels=tuple(labels), notes=tuple(notes)))
+        d = Diagnostic(code, msg, span, help=help, labels=tuple(labels), notes=tuple(notes))
+        if d not in self.diags:  # one mistake seen from two places (its definition and a use) once
+            self.diags.append(d)
 
     def fail(self, code: str, msg: str, span: Span | None, help: str = "", labels=()) -> None:
         self.err(code, msg, span, help, labels)
@@ -1382,6 +1384,7 @@ def check_ops(res: Resolver) -> None:
                 if o.name.id not in assigned and o.name.id not in {p.name.id for p in op.params}:
                     res.err("S007", f"op `{op.name}` never assigns its output `{o.name.id}`", o.span,
                             help=f"add a statement `{o.name.id} = ...` to its body")
+            _check_signature(res, op)
             defined = {p.name.id for p in op.params}
             for st in op.body:
                 if st.clauses.on is not None:
@@ -1397,6 +1400,27 @@ def check_ops(res: Resolver) -> None:
                 _check_kernel_names(res, st.expr)
         except _Abort:
             continue
+
+
+def _check_signature(res: Resolver, op: A.OpDef) -> None:
+    """The types and inits of an op's signature, checked where it is defined (used or not):
+    known dtypes or dtype variables, a bare dtype only on an optimizer's state, known inits."""
+    optimizer = any(p.modifier == "grad" for p in op.params)
+    for p in list(op.params) + [o for o in op.outs]:
+        t = getattr(p, "type", None)
+        if t is not None:
+            if not is_dtype_var(t.dtype.id) and t.dtype.id not in DTYPE_BYTES:
+                res.err("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span,
+                        help=f"dtypes: {', '.join(DTYPE_BYTES)}; a single capital letter (`T`) is a dtype variable")
+            elif t.dims is None and not (optimizer and getattr(p, "modifier", None) == "state"):
+                res.err("S015", f"`{t.dtype.id}` needs a shape here: `{t.dtype.id}[...]` (`{t.dtype.id}[]` for a "
+                        "scalar)", t.span, help="a bare dtype is only the type of an optimizer's state")
+        mod = getattr(p, "modifier", None)
+        default = getattr(p, "default", None)
+        if mod in ("param", "state") and isinstance(default, A.Var):
+            ok = INITS + (("copy",) if mod == "state" else ())
+            if default.name.id not in ok:
+                res.err("S015", f"unknown init `{default.name.id}`", default.span, help=f"inits: {', '.join(ok)}")
 
 
 def _find_var(e: A.Expr, n: str) -> Span | None:
