@@ -55,7 +55,7 @@ def test_the_scaled_backward_reads_the_loss_scale_and_the_optimizer_waits_for_th
     tasks = c.schedule.tasks
     seeds = [t for t in tasks if t.kernel == "softmax_xent_grad"]
     assert seeds and all(t.args[0] == "loss_scale" for t in seeds)
-    assert not any("d.loss" in t.args for t in tasks)
+    assert not any("d(loss)" in t.args for t in tasks)
     # each step, on the update stream in this order: all 14 checks write found_inf, then the 14
     # updates read it, then the scale update
     upd = [t for t in tasks if t.kernel in ("nonfinite_check", "amp_sgd_step", "update_scale")]
@@ -175,3 +175,49 @@ def test_bf16_is_refused_where_it_is_declared():
         _compile(AMP_TEXT.replace("input x : f16[", "input x : bf16["))
     assert [d.code for d in e.value.diagnostics] == ["S004"]
     assert "bfloat16" in e.value.diagnostics[0].message
+
+
+_OPT = ("    nonfinite(resnet, found_inf)\n"
+        "    sgd_amp(resnet, lr, loss_scale, found_inf, momentum = 0.9, weight_decay = 0.0001)\n"
+        "    update_scale(loss_scale, found_inf, good_steps, interval = 2000)\n")
+
+
+@pytest.mark.parametrize("body,extra_state,words", [
+    (_OPT.splitlines(True)[1] + _OPT.splitlines(True)[0] + _OPT.splitlines(True)[2], "",
+     "`sgd_amp` reads `found_inf` before this step's check sets it"),
+    (_OPT.splitlines(True)[0] + _OPT.splitlines(True)[2] + _OPT.splitlines(True)[1], "",
+     "`sgd_amp` unscales by `loss_scale` after `update_scale` changed it in this step"),
+    (_OPT.replace("update_scale(loss_scale, found_inf,", "update_scale(loss_scale, other,"), "\n    other : f32[]",
+     "`update_scale` reads the overflow flag `other`, but no check sets it"),
+    (_OPT.replace("update_scale(loss_scale, found_inf,", "update_scale(other, found_inf,"), "\n    other : f32[] = 2",
+     "`update_scale` updates `other`, but the backward is scaled by `loss_scale`"),
+])
+def test_the_order_and_the_buffers_of_the_update_graph_are_checked(body, extra_state, words):
+    assert _OPT in AMP_TEXT
+    text = AMP_TEXT.replace(_OPT, body).replace("good_steps : i32[] = 0 ", "good_steps : i32[] = 0" + extra_state + " ")
+    found = _s024(text)
+    assert any(sev == "error" and words in msg for sev, msg in found), found
+
+
+@pytest.mark.parametrize("start", ["0", "-1", "zeros"])
+def test_a_loss_scale_must_start_positive(start):
+    with pytest.raises(StreamschedError) as e:
+        _compile(AMP_TEXT.replace("loss_scale : f32[] = 65536", f"loss_scale : f32[] = {start}"))
+    assert [(d.code, "must be positive" in d.message) for d in e.value.diagnostics] == [("S015", True)]
+
+
+def test_graph_op_inputs_by_name_and_shared_variables():
+    ok = AMP_TEXT.replace("sgd_amp(resnet, lr, loss_scale, found_inf,", "sgd_amp(resnet, lr, found_inf = found_inf, scale = loss_scale,")
+    assert _compile(ok).ok
+    with pytest.raises(StreamschedError) as e:
+        _compile(AMP_TEXT.replace("sgd_amp(resnet, lr, loss_scale, found_inf,", "sgd_amp(resnet, lr, found_inf = found_inf,"))
+    assert any(d.code == "S005" and "missing: scale" in d.message for d in e.value.diagnostics)
+    # one dtype variable across two graph arguments: f32 and i32 buffers do not fit `T`
+    text = AMP_TEXT.replace("graph load[a, b]", """op both(a : T[], b : T[]) -> a on update {
+    a = relu(b)
+}
+graph load[a, b]""").replace("    update_scale(loss_scale, found_inf, good_steps, interval = 2000)\n",
+                              "    update_scale(loss_scale, found_inf, good_steps, interval = 2000)\n    both(found_inf, good_steps)\n")
+    with pytest.raises(StreamschedError) as e:
+        _compile(text)
+    assert any(d.code == "S004" and "`good_steps`" in d.message for d in e.value.diagnostics)

@@ -409,7 +409,7 @@ def test_run_prints_compile_warnings(tmp_path, capsys, monkeypatch):
 
 def test_an_unused_op_signature_is_checked_where_it_is_defined(tmp_path):
     """Types and inits of an op no model calls: a bare dtype outside optimizer state, an unknown
-    init and an unknown dtype are each S015 at their own column, once."""
+    init and an unknown dtype are each S015 at their own column, once; `T` bound by no input S004."""
     from streamsched.pipeline import check_file
 
     p = tmp_path / "unused.sched"
@@ -417,4 +417,53 @@ def test_an_unused_op_signature_is_checked_where_it_is_defined(tmp_path):
                  "op g(x : f32[n, k], param w : f32 = ones, param b : T[k] = bogus) -> y : f17[n] on comp1 {\n"
                  "    y = matmul(x, w)\n}\n")
     got = sorted((d.code, d.span.line, d.span.col) for d in check_file(str(p)))
-    assert got == [("S015", 2, 31), ("S015", 2, 60), ("S015", 2, 74)]
+    assert got == [("S004", 2, 53), ("S015", 2, 31), ("S015", 2, 60), ("S015", 2, 74)]
+
+
+
+def _check_text(tmp_path, name, text):
+    from streamsched.pipeline import check_file
+
+    p = tmp_path / name
+    p.write_text(text)
+    return [(d.code, d.severity, d.message, d.help) for d in check_file(str(p))]
+
+
+def test_a_file_included_twice_or_by_two_includers_is_read_once(tmp_path):
+    (tmp_path / "common.sched").write_text("streams { comp1 : compute }\n")
+    (tmp_path / "a.sched").write_text('include "common.sched"\n')
+    assert _check_text(tmp_path, "top.sched", 'include "common.sched"\ninclude "a.sched"\ninclude "common.sched"\n') == []
+
+
+def test_parameters_may_be_named_like_the_modifiers(tmp_path):
+    text = ("streams { comp1 : compute }\nop f(state) -> y on comp1 {\n    y = relu(state)\n}\n"
+            "op g(grad : f32[n], param w : f32[n] = ones) -> y on comp1 {\n    y = grad + w\n}\n")
+    assert _check_text(tmp_path, "m.sched", text) == []
+
+
+@pytest.mark.parametrize("text,word,guess", [
+    ("stream {\n comp1 : compute\n}\n", "unknown block `stream`", "`streams {`"),
+    ("streams { c : compute }\nmodle m(batch = 4) {\n  input x : f32[batch, 4]\n}\n", "unknown keyword `modle`", "`model`"),
+    ("streams { c : compute }\ngrpah pass on c { forward m }\n", "unknown keyword `grpah`", "`graph`"),
+    ("streams { c : compute }\ntrian {\n epochs = 3\n}\n", "unknown block `trian`", "`train {`"),
+])
+def test_a_misspelled_keyword_is_named_with_the_one_it_resembles(tmp_path, text, word, guess):
+    (code, sev, msg, help_), = _check_text(tmp_path, "k.sched", text)
+    assert sev == "error" and word in msg and guess in help_
+
+
+def test_a_typo_in_a_stream_name_is_not_taken_for_a_block(tmp_path):
+    (code, _, msg, _), = _check_text(tmp_path, "k.sched", "streams { steps : compute }\ngraph g on steps { forward m m }\n")
+    assert code == "P002" and "unknown" not in msg
+
+
+def test_unlaunched_graphs_and_parameters_left_out_are_warned(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "examples", "seed_step.sched"), encoding="utf-8").read()
+    found = _check_text(tmp_path, "s.sched", text.replace("    lars_fc\n", ""))
+    assert sorted((c, sev) for c, sev, _, _ in found) == [("S025", "warning"), ("S026", "warning")]
+    assert any("`logits.w`, `logits.b`" in m for _, _, m, _ in found)
+    twice = _check_text(tmp_path, "t.sched", text.replace('layers = "c2 b2 c3 b3")', 'layers = "c2 b2 c3 b3 logits")'))
+    assert [(c, sev) for c, sev, _, _ in twice] == [("S026", "error")]
+    no_pass = _check_text(tmp_path, "p.sched", text.replace("    pass(load[slot])\n", ""))
+    assert any(c == "S021" and "never launched" in m for c, _, m, _ in no_pass)

@@ -49,6 +49,9 @@ def cmd_check(args) -> int:
             all_diags.extend(check_train_settings(c.program))
         except StreamschedError as e:
             all_diags.extend(e.diagnostics)
+        except OSError as exc:  # a file that cannot be read is a diagnostic too (JSON under --format json)
+            all_diags.append(Diagnostic("X002", f"cannot read `{path}`: {exc.strerror or exc}",
+                                        help="check the path; `streamsched check` takes .sched files"))
     errors = [d for d in all_diags if d.severity == "error"]
     if args.format == "json":
         print(render_all(all_diags, sources, "json"))  # `[]` when clean: always valid JSON
@@ -94,13 +97,26 @@ def cmd_graph(args) -> int:
         _print_diags(c.diagnostics, sources, "text")
         return 1
     if args.captured:
-        try:
-            from streamsched.interp.cuda.capture_dot import write_captured_dot
+        try:  # no GPU is X020, as for `run --backend cuda` and `trace`, before any capture is tried
+            from streamsched.interp.cuda import cuda_available
+
+            ok, why = cuda_available()
+            if ok:
+                from streamsched.interp.cuda.capture_dot import write_captured_dot
         except ImportError as exc:
-            print(f"error[X020]: --captured needs the CUDA backend: {exc}", file=sys.stderr)
+            ok, why = False, f"the CUDA backend cannot load: {exc}"
+        if not ok:
+            _print_diags([Diagnostic("X020", f"--captured draws the CUDA graphs as captured on the GPU: no usable "
+                                             f"GPU ({why})",
+                                     help="install streamsched[cuda12] or [cuda13] on a machine with an NVIDIA "
+                                          "GPU, or draw the plan without --captured")], sources, "text")
             return 1
         try:
             write_captured_dot(c, args.output)
+        except OSError as exc:
+            _print_diags([Diagnostic("X021", f"cannot write `{args.output}`: {exc.strerror or exc}",
+                                     help="name a file in an existing folder you can write to")], sources, "text")
+            return 1
         except Exception as exc:  # a CUDA failure is a run-time diagnostic, not a traceback
             task = getattr(exc, "task", None)
             d = Diagnostic("X011", f"capture failed: {exc}", getattr(task, "span", None))
@@ -157,6 +173,8 @@ def cmd_run(args) -> int:
     if acc is not None:
         msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
     print(msg)
+    for note in res.notes:
+        print(f"note: {note}", file=sys.stderr)
     return 1 if res.races else 0
 
 

@@ -17,7 +17,7 @@ from streamsched.dsl.resolve import resolve
 from streamsched.interp.barriers import Segments, insert_barriers, plan_segments
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import Edge, EventPlan, Schedule
-from streamsched.interp.lint import lint_precision, lint_schedule
+from streamsched.interp.lint import lint_launches, lint_precision, lint_schedule, lint_updates
 from streamsched.interp.opcheck import check_op_bodies
 from streamsched.interp.unroll import default_steps, unroll
 from streamsched.interp.validate import validate_plan, validate_schedule
@@ -71,6 +71,8 @@ def _plan(program: Program, steps: int) -> "Compiled":
     host_read = {program.model.loss} if program.model else set()
     diags += lint_schedule(schedule, {n for n, _ in program.inits}, host_read)
     diags += lint_precision(schedule, program.loss_scale)
+    diags += lint_updates(schedule, program.model.params if program.model else ())
+    diags += lint_launches(program.graphs, program.step, bool(program.step))
     plan = None
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)

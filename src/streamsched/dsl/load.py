@@ -44,6 +44,7 @@ def _not_utf8(path: str, raw: bytes, exc: UnicodeDecodeError, inc_span, sources:
 def load_program_files(path: str, text: str | None, sources: SourceCache) -> tuple[list[A.File], list[Diagnostic]]:
     """Parse `path` (or the given `text` for it) and, depth first, every file it includes.
 
+    A file included more than once (twice, or by two includers) is read the first time only.
     Returns the files in include order (an included file before the rest of its includer) and
     the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found,
     S011 recursive include.
@@ -52,14 +53,18 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
     files: list[A.File] = []
     diags: list[Diagnostic] = []
     sources.texts.setdefault(STDLIB_PATH, stdlib_text())
+    loaded: set[str] = set()  # a file included twice (or by two includers) is read once
 
     def visit(p: str, txt: str | None, chain: tuple[str, ...], inc_span) -> None:
-        key = os.path.abspath(p)
+        key = os.path.realpath(p)
         if key in chain:
             cycle = " -> ".join(os.path.basename(c) for c in chain + (key,))
             diags.append(Diagnostic("S011", f"recursive include: {cycle}", inc_span,
                                     help="remove one of the `include` lines that form the cycle"))
             return
+        if key in loaded:
+            return
+        loaded.add(key)
         if txt is None:
             try:
                 with open(p, "rb") as f:

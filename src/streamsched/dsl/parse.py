@@ -170,6 +170,12 @@ class _ToAst(Transformer):
         mod, name, typ, default = ch
         return A.OpParam(str(mod) if mod is not None else None, name, typ, default, self._sp(meta))
 
+    @v_args(meta=True)
+    def op_param_named_like_modifier(self, meta, ch):
+        """`op f(state)`: a plain parameter that happens to be called `state`, `param` or `grad`."""
+        mod, typ, default = ch
+        return A.OpParam(None, self._tok(mod), typ, default, self._sp(meta))
+
     def op_outs(self, ch):
         return tuple(ch)
 
@@ -341,8 +347,8 @@ def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
     misnamed = _misnamed_block(text, getattr(tok, "start_pos", None), path)
     if misnamed is not None:  # `stream {`: a typo in a block's name, seen as an unknown block
         name, span, guess = misnamed
-        return Diagnostic("P002", f"unknown block `{name}`",
-                          span, help=f"did you mean `{guess} {{`?")
+        return Diagnostic("P002", f"unknown {'block' if guess in _BRACED else 'keyword'} `{name}`",
+                          span, help=f"did you mean `{guess}{' {' if guess in _BRACED else ''}`?")
     return Diagnostic(
         "P002",
         f"unexpected {what}",
@@ -352,6 +358,7 @@ def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
 
 
 _BLOCKS = ("streams", "state", "model", "graph", "step", "train", "op", "place", "barriers", "include")
+_BRACED = ("streams", "state", "train")
 
 
 def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, str] | None:
@@ -364,8 +371,8 @@ def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, s
 
     if pos is None:
         return None
-    depth, start = 0, None
-    for m in re.finditer(r"#[^\n]*|\"[^\"\n]*\"|[{}]", text[:pos]):
+    depth, start, item = 0, None, 0  # item: where the current top-level item starts
+    for m in re.finditer(r"#[^\n]*|\"[^\"\n]*\"|[{};]", text[:pos]):
         t = m.group()
         if t == "{":
             if depth == 0:
@@ -373,19 +380,30 @@ def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, s
             depth += 1
         elif t == "}":
             depth = max(0, depth - 1)
-    if depth == 0 or start is None:
-        return None
-    head = re.search(r"([A-Za-z_][A-Za-z0-9_]*)\s*$", text[:start])
+            if depth == 0:
+                item = m.end()
+        elif t == ";" and depth == 0:
+            item = m.end()
+    if depth > 0 and start is not None:  # inside `NAME {`: the block's name
+        head = re.search(r"([A-Za-z_][A-Za-z0-9_]*)\s*$", text[:start])
+        if head is not None and re.sub(r"#[^\n]*", "", text[item:head.start(1)]).strip():
+            return None  # `graph g on steps {`: the word before `{` is not the item's first
+    else:  # at the top level: the first word of the item (`modle m(...)`, `grpah g on s`)
+        rest = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text[item:pos])
+        head = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", rest)
+        if head is not None:
+            head = re.match(r"(?s)(.{%d})([A-Za-z_][A-Za-z0-9_]*)" % (item + head.start(1)), text)
     if head is None:
         return None
-    name = head.group(1)
+    name = head.group(head.lastindex)
+    head_start = head.start(head.lastindex)
     if name in _BLOCKS:
         return None
     guess = difflib.get_close_matches(name.lower(), [b for b in _BLOCKS if b != "train"], n=1, cutoff=0.75)
     if not guess:
         return None
-    line = text.count("\n", 0, head.start(1)) + 1
-    col = head.start(1) - (text.rfind("\n", 0, head.start(1)) + 1) + 1
+    line = text.count("\n", 0, head_start) + 1
+    col = head_start - (text.rfind("\n", 0, head_start) + 1) + 1
     return name, Span(path, line, col, line, col + len(name)), guess[0]
 
 

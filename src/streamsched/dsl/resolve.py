@@ -33,6 +33,16 @@ _DTYPE_RANGE = {"i8": (-2 ** 7, 2 ** 7 - 1), "u8": (0, 2 ** 8 - 1), "i16": (-2 *
                 "f16": (-65504.0, 65504.0), "bf16": (-3.38e38, 3.38e38), "f32": (-3.4028234e38, 3.4028234e38)}
 
 
+def grad_name(buf: str) -> str:
+    """The buffer holding the gradient of activation `buf`: `d(h1)`.  Parentheses never occur in a
+    name a user writes (`value` or `value.output`), so these never collide with the user's."""
+    return f"d({buf})"
+
+
+SEED = grad_name("loss")
+"""The backward's seed d(loss) = 1 (a constant buffer), or the loss scale under `backward M * S`."""
+
+
 def is_dtype_var(name: str) -> bool:
     """A dtype variable in an op signature is a single capital letter (`x : T[n, k]`): it binds to
     the dtype of the first typed input it appears in, as dimension variables bind to sizes."""
@@ -98,6 +108,7 @@ class Resolver:
         self._poisoned: set[str] = set()
         self.broken_models: set[str] = set()  # models whose mistakes were reported; no follow-ups
         self.runs: dict[str, Span | None] = {}  # ForwardStmt / BackwardStmt / optimizer -> a span
+        self.graph_runs: dict[str, dict[str, Span | None]] = {}  # the same, per graph
         self.state_decls: dict[str, A.StateDecl] = {}  # `state { NAME : TYPE = INIT }`
         self.loss_scale = ""  # the device scalar a `backward M * S` seeds the backward with
         self.broken_states: set[str] = set()  # `state` declarations that failed (reported once)
@@ -170,8 +181,13 @@ class Resolver:
                     self.steps.append(item)
                 elif isinstance(item, A.TrainBlock):
                     if item.name.id != "train":
+                        import difflib
+
+                        guess = difflib.get_close_matches(item.name.id.lower(), ["train", "streams", "state"], n=1,
+                                                          cutoff=0.6)
                         self.err("S016", f"unknown block `{item.name.id}`", item.name.span,
-                                 help="top-level blocks are streams, state, op, place, model, graph, step, train, barriers, include")
+                                 help=(f"did you mean `{guess[0]} {{`? " if guess else "") +
+                                 "top-level blocks are streams, state, op, place, model, graph, step, train, barriers, include")
                         continue
                     if self.train is not None:
                         self.err("S002", "the `train` block appears twice", item.name.span)
@@ -772,7 +788,7 @@ class Resolver:
             for n in c.inputs:
                 if c.bind[n] in needs:
                     uses[c.bind[n]] = uses.get(c.bind[n], 0) + 1
-        seed = "d.loss"
+        seed = SEED
         self.add_buffer(seed, (), self.btype(loss)[1], "const", init="ones")
         partials: dict[str, list[str]] = {loss: [seed]}
         bwd: list[TaskTemplate] = []
@@ -789,7 +805,7 @@ class Resolver:
                           c.span, help=f"define `op {c.op.name}.backward(...)`, or stop gradients before it")
             bind: dict[str, str] = {}
             for o, ps in outs_g.items():
-                gname = f"d.{c.bind[o]}"
+                gname = grad_name(c.bind[o])
                 if not ps:
                     continue
                 if len(ps) == 1:
@@ -823,7 +839,7 @@ class Resolver:
                     target = f"grad.{buf}"
                 else:
                     lst = partials.setdefault(buf, [])
-                    target = f"d.{buf}" if uses.get(buf, 1) == 1 else f"d.{buf}#{len(lst) + 1}"
+                    target = grad_name(buf) if uses.get(buf, 1) == 1 else f"{grad_name(buf)}#{len(lst) + 1}"
                     lst.append(target)
                 out_bind[od.name.id] = target
                 need_outs.add(od.name.id)
@@ -885,6 +901,7 @@ class Resolver:
                 elif isinstance(st, (A.ForwardStmt, A.BackwardStmt)):
                     self.model_ref(st.model, model_name)
                     self.runs[type(st).__name__] = st.span
+                    self.graph_runs.setdefault(g.name.id, {}).setdefault(type(st).__name__, st.span)
                     src = fwd if isinstance(st, A.ForwardStmt) else bwd
                     if isinstance(st, A.BackwardStmt) and st.scale is not None:
                         src = self.scaled_backward(st, bwd)
@@ -1005,15 +1022,22 @@ class Resolver:
                               f"declare it at the top level: `state {{ {sname.id} : f32[] = 65536 }}`")
             self.fail("S007", f"`backward {st.model.id} * {sname.id}`: {why}", sname.span, help=help_)
         have = self.btype(sname.id)
-        seed = self.btype("d.loss")
+        seed = self.btype(SEED)
         if have[0] != ():
             self.fail("S003", f"the loss scale `{sname.id}` must be a scalar (shape []), not {list(have[0])}",
                       sname.span)
         if have[1] not in FLOAT_DTYPES:
             self.fail("S004", f"the loss scale `{sname.id}` is {have[1]}; it must be a float dtype (the loss is "
                       f"{seed[1]})", sname.span)
+        init = self.inits.get(sname.id, "zeros")
+        start = float(init[6:]) if init.startswith("const:") else (1.0 if init == "ones" else 0.0)
+        if not start > 0:
+            decl = self.state_decls.get(sname.id)
+            self.fail("S015", f"the loss scale `{sname.id}` starts at {start:g}; it must be positive", sname.span,
+                      labels=[Label(decl.span, "declared here")] if decl is not None else [],
+                      help="start it at a power of two, as GradScaler does: 65536")
         self.loss_scale = sname.id
-        return [replace(t, args=tuple(sname.id if a == "d.loss" else a for a in t.args)) for t in bwd]
+        return [replace(t, args=tuple(sname.id if a == SEED else a for a in t.args)) for t in bwd]
 
     def graph_call_targets(self, call: A.Call | A.Name, model_name: str) -> list[str]:
         if isinstance(call, A.Name):
@@ -1076,19 +1100,35 @@ class Resolver:
         per_param = bool(prm or grads)
         if per_param:
             self.runs.setdefault("optimizer", st.span)
+            self.graph_runs.setdefault(g.name.id, {}).setdefault("optimizer", st.span)
             if args and isinstance(args[0], A.Var):
                 self.model_ref(args[0].name, model_name)
             if not args or not isinstance(args[0], A.Var) or args[0].name.id != model_name:
                 self.fail("S015", f"`{op.name}` updates a model's parameters: its first argument is the model",
                           st.call.span)
             args = args[1:]
-        if len(args) != len(ins):
+        # inputs may also be given by name (`sgd_amp(m, lr, scale = loss_scale, found_inf = f)`)
+        in_names = [p.name.id for p in ins]
+        kwargs = []
+        by_name: dict[str, A.Expr] = {}
+        for kw in st.call.kwargs:
+            if kw.name.id in in_names:
+                if kw.name.id in by_name or in_names.index(kw.name.id) < len(args):
+                    self.fail("S002", f"input `{kw.name.id}` of `{op.name}` is given twice", kw.name.span)
+                by_name[kw.name.id] = kw.value
+            else:
+                kwargs.append(kw)
+        if len(args) > len(ins) or len(args) + len(by_name) != len(ins):
+            missing = [n for n in in_names[len(args):] if n not in by_name]
             self.fail("S005", f"op `{op.name}` takes {len(ins) + per_param} argument(s) "
-                      f"({'model, ' if per_param else ''}{', '.join(p.name.id for p in ins)}); "
-                      f"{len(st.call.args)} given", st.call.span)
+                      f"({'model, ' if per_param else ''}{', '.join(in_names)}); "
+                      f"{len(args) + len(by_name) + per_param} given"
+                      + (f" (missing: {', '.join(missing)})" if missing and len(args) <= len(ins) else ""),
+                      st.call.span)
+        args = args + [by_name[n] for n in in_names[len(args):]]
         attr_vals = {a.name.id: self.const(a.default, {}) for a in attrs}
         layers: list[str] | None = None
-        for kw in st.call.kwargs:
+        for kw in kwargs:
             if per_param and kw.name.id == "layers":
                 # `layers = "c1 c2"`: update only these layers' parameters (the seed's LARS split
                 # by layer group over three streams)
@@ -1108,12 +1148,13 @@ class Resolver:
             attr_vals[kw.name.id] = self.const(kw.value, {})
         on = self.stream(st.clauses.on, False) if st.clauses.on is not None else None
         base: dict[str, str] = {}
+        dims: dict[str, Any] = {}  # dimension and dtype variables, shared by all the arguments
         for p, a in zip(ins, args):
             if not isinstance(a, A.Var):
                 self.fail("S015", f"argument `{p.name.id}` of `{op.name}` must name a buffer", a.span)
             buf = self.device_scalar(a)
             if p.type is not None:
-                self.unify(p.type, self.btype(buf), {}, f"`{a.name.id}`", a.span, p.span)
+                self.unify(p.type, self.btype(buf), dims, f"`{a.name.id}`", a.span, p.span)
             base[p.name.id] = buf
         # Per-parameter updates are issued in reverse layer order: the order in which the backward
         # finishes their gradients, so one stream's queue never waits on the last gradient first.
@@ -1314,16 +1355,30 @@ class Resolver:
                                                       10000 * (i + 1))
             except _Abort:
                 continue
-        if self.model_info is not None:
-            m = self.model_info.name
-            if "optimizer" in self.runs and "BackwardStmt" not in self.runs:
-                self.err("S021", f"the optimizer updates `{m}`, but no graph runs `backward {m}`: "
-                         "its gradients are never computed", self.runs["optimizer"],
-                         help=f"add `backward {m}` after `forward {m}` in the graph that runs the model")
-            if "BackwardStmt" in self.runs and "ForwardStmt" not in self.runs:
-                self.err("S021", f"`backward {m}` runs, but no graph runs `forward {m}` first",
-                         self.runs["BackwardStmt"], help=f"write `forward {m}; backward {m}`")
+        before = len(self.diags)
         step = self.resolve_step(graphs)
+        if self.model_info is not None:
+            # What the launched graphs run (every graph, in a file without a step, or whose step
+            # has mistakes of its own: those are reported, not followed up)
+            exact = self.steps and len(self.diags) == before
+            launched = {ln.graph for ln in step if ln.kind == "graph"} if exact else set(self.graph_runs)
+            runs: dict[str, Span | None] = {}
+            for gname, kinds in self.graph_runs.items():
+                if gname in launched:
+                    for kind, span in kinds.items():
+                        runs.setdefault(kind, span)
+            m = self.model_info.name
+            unlaunched = " (the graph that does is never launched by the step)"
+            if "optimizer" in runs and "BackwardStmt" not in runs:
+                why = unlaunched if "BackwardStmt" in self.runs else ""
+                self.err("S021", f"the optimizer updates `{m}`, but no graph runs `backward {m}`{why}: "
+                         "its gradients are never computed", runs["optimizer"],
+                         help=(f"launch that graph in the step" if why else
+                               f"add `backward {m}` after `forward {m}` in the graph that runs the model"))
+            if "BackwardStmt" in runs and "ForwardStmt" not in runs:
+                why = unlaunched if "ForwardStmt" in self.runs else ""
+                self.err("S021", f"`backward {m}` runs, but no graph runs `forward {m}` first{why}",
+                         runs["BackwardStmt"], help=f"write `forward {m}; backward {m}`")
         pol = policy or (tv.get("barriers") if isinstance(tv.get("barriers"), str) else None) or \
             (self.barriers.policy.id if self.barriers else "auto")
         if pol not in POLICIES:
@@ -1405,11 +1460,15 @@ def check_ops(res: Resolver) -> None:
 def _check_signature(res: Resolver, op: A.OpDef) -> None:
     """The types and inits of an op's signature, checked where it is defined (used or not):
     known dtypes or dtype variables, a bare dtype only on an optimizer's state, known inits."""
-    optimizer = any(p.modifier == "grad" for p in op.params)
+    optimizer = any(p.modifier in ("grad", "param") for p in op.params)  # may run per parameter
+    bound = {p.type.dtype.id for p in op.params if p.modifier is None and p.type is not None}
     for p in list(op.params) + [o for o in op.outs]:
         t = getattr(p, "type", None)
         if t is not None:
-            if not is_dtype_var(t.dtype.id) and t.dtype.id not in DTYPE_BYTES:
+            if is_dtype_var(t.dtype.id) and t.dtype.id not in bound:
+                res.err("S004", f"the dtype variable `{t.dtype.id}` is not bound by any input", t.dtype.span,
+                        help="a dtype variable takes the dtype of the typed input it first appears in")
+            elif not is_dtype_var(t.dtype.id) and t.dtype.id not in DTYPE_BYTES:
                 res.err("S015", f"unknown dtype `{t.dtype.id}`", t.dtype.span,
                         help=f"dtypes: {', '.join(DTYPE_BYTES)}; a single capital letter (`T`) is a dtype variable")
             elif t.dims is None and not (optimizer and getattr(p, "modifier", None) == "state"):
@@ -1418,7 +1477,7 @@ def _check_signature(res: Resolver, op: A.OpDef) -> None:
         mod = getattr(p, "modifier", None)
         default = getattr(p, "default", None)
         if mod in ("param", "state") and isinstance(default, A.Var):
-            ok = INITS + (("copy",) if mod == "state" else ())
+            ok = INITS + (("copy",) if mod == "state" and optimizer else ())
             if default.name.id not in ok:
                 res.err("S015", f"unknown init `{default.name.id}`", default.span, help=f"inits: {', '.join(ok)}")
 

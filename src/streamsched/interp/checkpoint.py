@@ -11,7 +11,8 @@ uint8 array.  The metadata a run writes (`streamsched run`)::
     lr_step       the global step the learning-rate schedule resumes from
     program       program_hash(text of the .sched file); resuming with another program is refused
 
-Errors: X007 missing or unreadable checkpoint, X008 checkpoint does not match the run.
+Errors: X007 missing or unreadable checkpoint, or arrays that do not fit the run (check_arrays:
+missing, unknown, or of another shape or dtype); X008 checkpoint does not match the run.
 """
 
 from __future__ import annotations
@@ -174,5 +175,46 @@ def check_meta(meta: dict[str, Any], expected: dict[str, Any], span: Span | None
                                     f"in the checkpoint, {shown(want)} here", span=span,
                                     help=_FIELD_HELP.get(key, "resume with the settings the checkpoint was written "
                                                          "with, or start a fresh run")))
+    if diags:
+        raise StreamschedError(diags)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_arrays(arrays: dict[str, np.ndarray], expected: dict[str, tuple[tuple[int, ...], np.dtype | None]],
+                 path: str, span: Span | None = None) -> None:
+    """Refuse a checkpoint whose arrays do not fit the run, before any of them is written into
+    its buffers: every name of `expected` (name -> (shape, dtype); dtype None: not compared) must
+    be in `arrays` with exactly that shape and dtype (no broadcasting, no casting), and `arrays`
+    must hold nothing else.  Raises StreamschedError with one X007 per array of the wrong shape
+    or dtype (naming it, expected vs found), one for the missing names and one for the unknown
+    ones."""
+    diags = []
+    help_ = ("the checkpoint was not written by `streamsched run` for this program, or was altered; "
+             "start without --resume, or point it at a checkpoint this program wrote")
+
+    def fmt(shape, dtype) -> str:
+        return f"shape {tuple(int(d) for d in shape)}" + (f", dtype {np.dtype(dtype).name}" if dtype is not None else "")
+
+    for name, (shape, dtype) in expected.items():
+        if name not in arrays:
+            continue
+        a = arrays[name]
+        if tuple(a.shape) != tuple(shape) or (dtype is not None and a.dtype != np.dtype(dtype)):
+            diags.append(Diagnostic("X007", f"checkpoint `{path}`: array `{name}` does not fit this run: expected "
+                                    f"{fmt(shape, dtype)}, found {fmt(a.shape, a.dtype if dtype is not None else None)}",
+                                    span=span, help=help_))
+    missing = [n for n in expected if n not in arrays]
+    if missing:
+        diags.append(Diagnostic("X007", f"checkpoint `{path}` lacks {len(missing)} array{'s' if len(missing) != 1 else ''} "
+                                f"this run needs: {_names(missing)}", span=span,
+                                help=help_ + " (a missing array would silently start from its initial value)"))
+    unknown = sorted(n for n in arrays if n not in expected)
+    if unknown:
+        diags.append(Diagnostic("X007", f"checkpoint `{path}` holds {len(unknown)} array{'s' if len(unknown) != 1 else ''} "
+                                f"this run does not have: {_names(unknown)}", span=span, help=help_))
     if diags:
         raise StreamschedError(diags)

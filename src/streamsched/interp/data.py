@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import gzip
+import math
 import os
 import zipfile
 import zlib
@@ -141,15 +142,50 @@ def load_dataset(source: str, args: tuple, kwargs: dict, *, base_dir: str, span:
     Raises StreamschedError X001 unknown source, X002 missing file or folder, X003 corrupt or
     unreadable file, X004 bad argument.
     """
+    a = check_source(source, args, kwargs, base_dir=base_dir, span=span)
     if source == "digits":
-        a = bind_args("digits", (("test", 0.2), ("seed", 0)), args, kwargs, span)
         return _load_digits(a["test"], a["seed"], span)
     if source == "idx":
+        return _load_idx_dir(a["path"], span)
+    return _load_npz(a["path"], span)
+
+
+DIGITS_SAMPLES = 1797
+"""The samples of the `digits` source (scikit-learn's copy of the UCI optical digits)."""
+
+
+def digits_train_samples(test: float) -> int:
+    """How many training samples `digits(test = t)` holds: train_test_split's rule, the test
+    split takes ceil(t * n) samples (stratification does not change the counts)."""
+    return DIGITS_SAMPLES - math.ceil(float(test) * DIGITS_SAMPLES)
+
+
+def check_source(source: str, args: tuple, kwargs: dict, *, base_dir: str, span: Span | None = None) -> dict:
+    """Everything about `data = source(...)` that can be told without reading data: the source
+    is known (X001), its arguments bind and are in range (X004), and its file or folder exists
+    and is of the right kind (X002).  Used by `load_dataset` and by `streamsched check`, so both
+    refuse the same values with the same diagnostics.  Returns the bound arguments, a path
+    argument resolved against base_dir."""
+    if source == "digits":
+        a = bind_args("digits", (("test", 0.2), ("seed", 0)), args, kwargs, span)
+        _check_digits_args(a["test"], a["seed"], span)
+        return a
+    if source == "idx":
         a = bind_args("idx", (("path", REQUIRED),), args, kwargs, span)
-        return _load_idx_dir(_resolve_path("idx", a["path"], base_dir, span), span)
+        directory = _resolve_path("idx", a["path"], base_dir, span)
+        if not os.path.isdir(directory):
+            what = "is a file, not a folder" if os.path.exists(directory) else "does not exist"
+            raise _err("X002", f"idx: data folder `{directory}` {what}", span,
+                       help="relative paths are resolved against the .sched file's folder")
+        return {**a, "path": directory}
     if source == "npz":
         a = bind_args("npz", (("path", REQUIRED),), args, kwargs, span)
-        return _load_npz(_resolve_path("npz", a["path"], base_dir, span), span)
+        path = _resolve_path("npz", a["path"], base_dir, span)
+        if not os.path.isfile(path):
+            what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+            raise _err("X002", f"npz: data file `{path}` {what}", span,
+                       help="relative paths are resolved against the .sched file's folder")
+        return {**a, "path": path}
     raise _err(
         "X001",
         f"unknown data source `{source}`",
@@ -168,8 +204,7 @@ def _resolve_path(what: str, path, base_dir: str, span: Span | None) -> str:
     return os.path.abspath(path)
 
 
-def _load_digits(test, seed, span: Span | None) -> Dataset:
-    """scikit-learn's copy of the UCI optical digits test set (1797 8x8 images, values 0..16)."""
+def _check_digits_args(test, seed, span: Span | None) -> None:
     if not _is_number(test) or not 0.0 < float(test) < 1.0:
         raise _err(
             "X004",
@@ -180,6 +215,18 @@ def _load_digits(test, seed, span: Span | None) -> Dataset:
     if not _is_int(seed) or seed < 0:
         raise _err("X004", f"digits: seed must be a non-negative integer, got {seed!r}", span,
                    help="write e.g. `digits(seed = 0)`")
+    n_train = digits_train_samples(test)
+    n_test = DIGITS_SAMPLES - n_train
+    if min(n_train, n_test) < 10:  # a stratified split needs every class on both sides
+        side, k = ("train", n_train) if n_train < n_test else ("test", n_test)
+        raise _err("X004", f"digits: cannot split with test = {test}: the {side} split would hold {k} "
+                   f"sample{'s' if k != 1 else ''}, fewer than the 10 classes", span,
+                   help="use a test fraction that leaves at least 10 samples on each side")
+
+
+def _load_digits(test, seed, span: Span | None) -> Dataset:
+    """scikit-learn's copy of the UCI optical digits test set (1797 8x8 images, values 0..16)."""
+    _check_digits_args(test, seed, span)
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -103,23 +103,36 @@ def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
         for o in t.outs:
             written_by.setdefault(_base(o), set()).add(t.kernel)
     out: list[Diagnostic] = []
-    for t in schedule.tasks:
+    last_writer: dict[str, str] = {}  # buffer -> kernel of its latest writer, in issue order
+    seed_read: dict[str, int] = {}  # scale -> index of the latest backward seed read
+    last_write: dict[str, int] = {}
+    for idx, t in enumerate(schedule.tasks):
         op = _op_name(t)
-        if t.kernel in _AMP_OPTIMIZERS:
-            si, fi = _AMP_OPTIMIZERS[t.kernel]
+        if t.kernel == "softmax_xent_grad" and t.args:
+            seed_read[_base(t.args[0])] = idx
+        if t.kernel in _AMP_OPTIMIZERS or t.kernel == "update_scale":
+            si, fi = _AMP_OPTIMIZERS.get(t.kernel, (0, 1))
             scale, found = _base(t.args[si]), _base(t.args[fi])
             if scale != loss_scale:
                 why = (f"the backward is scaled by `{loss_scale}`" if loss_scale else "the backward is not scaled")
-                out.append(Diagnostic("S024", f"`{op}` unscales the gradients by `{scale}`, but {why}", t.span,
+                verb = "unscales the gradients by" if t.kernel != "update_scale" else "updates"
+                out.append(Diagnostic("S024", f"`{op}` {verb} `{scale}`, but {why}", t.span,
                                       help=f"seed the backward with the same scale: `backward MODEL * {scale}`"))
             setters = written_by.get(found, set())
             if not setters & set(_FLAG_SETTERS):
-                out.append(Diagnostic("S024", f"`{op}` skips the step when `{found}` is set, but no check sets it",
+                out.append(Diagnostic("S024", f"`{op}` reads the overflow flag `{found}`, but no check sets it",
                                       t.span, help=f"run `nonfinite(MODEL, {found})` on the update stream before it"))
             elif "fill" not in setters:
                 out.append(Diagnostic("S024", f"`{found}` is never cleared: after the first overflow `{op}` would "
                                       f"skip every step", t.span,
                                       help=f"clear it each step before the check: `clear {found}` in the zero-grad graph"))
+            elif last_writer.get(found) not in _FLAG_SETTERS and t.step >= 0:
+                out.append(Diagnostic("S024", f"`{op}` reads `{found}` before this step's check sets it", t.span,
+                                      help=f"launch `nonfinite(MODEL, {found})` before it in the step"))
+            if t.kernel in _AMP_OPTIMIZERS and last_write.get(scale, -1) > seed_read.get(scale, -1) and \
+                    last_writer.get(scale) == "update_scale":
+                out.append(Diagnostic("S024", f"`{op}` unscales by `{scale}` after `update_scale` changed it in this "
+                                      "step", t.span, help="update the scale after the optimizer, as GradScaler.update"))
         elif t.kernel in _PLAIN_OPTIMIZERS:
             if loss_scale:
                 out.append(Diagnostic("S024", f"`{op}` reads gradients multiplied by the loss scale `{loss_scale}` "
@@ -132,4 +145,56 @@ def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
                         "S024", f"`{op}` updates {w.dtype} parameters in {w.dtype}: updates smaller than their "
                         "rounding step are lost, and small gradients underflow", t.span, severity="warning",
                         help="use `sgd_amp` or `lars_amp` (f32 master weights) with `backward MODEL * loss_scale`"))
+        for o in t.outs:
+            last_writer[_base(o)] = t.kernel
+            last_write[_base(o)] = idx
     return out
+
+
+_UPDATES = ("sgd_step", "adam_step", "lars_step", "amp_sgd_step", "amp_lars_step")
+
+
+def lint_updates(schedule: Schedule, params: tuple[str, ...]) -> list[Diagnostic]:
+    """S026: a parameter that no optimizer updates in a step (a layer left out of every `layers`
+    group, a graph never launched: a warning, since freezing can be meant), or that two updates
+    write in one step (an error: the second applies the gradient again)."""
+    steps = sorted({t.step for t in schedule.tasks if t.step >= 0})
+    if not steps or not params:
+        return []
+    first = steps[0]
+    writers: dict[str, list[Task]] = {p: [] for p in params}
+    for t in schedule.tasks:
+        if t.step == first and t.kernel in _UPDATES and t.outs and t.outs[0] in writers:
+            writers[t.outs[0]].append(t)
+    if not any(writers.values()):
+        return []  # no optimizer at all: S021 and friends speak for that
+    out: list[Diagnostic] = []
+    never = [p for p, ws in writers.items() if not ws]
+    if never:
+        # point at the model line of the first layer left out (the task computing its value)
+        layer = never[0].rsplit(".", 1)[0]
+        at = next((t.span for t in schedule.tasks if layer in t.outs and t.span is not None), None)
+        out.append(Diagnostic("S026", f"no optimizer updates {', '.join(f'`{p}`' for p in never)}: "
+                              f"{'it stays' if len(never) == 1 else 'they stay'} at the initial value",
+                              at, severity="warning",
+                              help="add the layer to an optimizer's `layers`, or launch the graph that updates it"))
+    twice: dict[tuple, list[str]] = {}  # (first, second update's spans) -> parameters
+    for p, ws in writers.items():
+        if len(ws) > 1:
+            twice.setdefault((ws[0].span, ws[1].span), []).append(p)
+    for (first, second), ps in twice.items():
+        out.append(Diagnostic("S026", f"{', '.join(f'`{p}`' for p in ps)} {'is' if len(ps) == 1 else 'are'} updated "
+                              "twice per step: the gradient is applied again", second,
+                              labels=(Label(first, "first updated here"),) if first else (),
+                              help="give each layer to one optimizer: check the `layers` groups"))
+    return out
+
+
+def lint_launches(graphs, step, has_step: bool) -> list[Diagnostic]:
+    """S025 (warning): a graph the step never launches: its work never runs."""
+    if not has_step:
+        return []
+    launched = {ln.graph for ln in step if ln.kind == "graph"}
+    return [Diagnostic("S025", f"graph `{g.name}` is never launched by the step", g.span, severity="warning",
+                       help=f"launch it in the step (`{g.name}`), or remove it") for g in graphs
+            if g.name not in launched]

@@ -16,7 +16,7 @@ import numpy
 
 from streamsched.interp.ir import DTYPE_BYTES, Buffer
 
-__all__ = ["ARRAY_DTYPES", "arena_sizes", "plan_memory", "allocate_arrays"]
+__all__ = ["ARRAY_DTYPES", "ArenaOutOfMemory", "arena_sizes", "plan_memory", "allocate_arena", "allocate_arrays"]
 
 ARRAY_DTYPES: Mapping[str, numpy.dtype] = {
     "f32": numpy.dtype(numpy.float32),
@@ -29,6 +29,46 @@ ARRAY_DTYPES: Mapping[str, numpy.dtype] = {
 }
 """streamsched dtype -> array dtype (CuPy accepts NumPy dtypes).  ``bf16`` has a byte size in
 ``DTYPE_BYTES`` but no NumPy dtype, so it can be planned but not allocated."""
+
+
+class ArenaOutOfMemory(Exception):
+    """An arena could not be allocated: ``space`` ("device", "host"), ``nbytes`` requested,
+    ``largest`` the largest buffer placed in it (for the diagnostic's span), ``cause`` the array
+    module's own exception.  The training loop turns it into an X013 diagnostic."""
+
+    def __init__(self, space: str, nbytes: int, cause: BaseException, largest: Buffer | None = None):
+        super().__init__(f"cannot allocate {nbytes} bytes for the {space} arena: {cause}")
+        self.space = space
+        self.nbytes = nbytes
+        self.cause = cause
+        self.largest = largest
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocation failure of NumPy or CuPy: MemoryError (NumPy's, and CuPy's
+    ``OutOfMemoryError``, a subclass), a size the array module cannot even represent
+    (ValueError "Maximum allowed dimension exceeded", OverflowError), or a CUDA runtime error
+    cudaErrorMemoryAllocation (pinned host memory).  Tells by name: nothing here imports CuPy."""
+    if isinstance(exc, (MemoryError, OverflowError)):
+        return True
+    text = str(exc)
+    if isinstance(exc, ValueError):
+        return "dimension" in text or "too big" in text or "maximum" in text.lower()
+    return type(exc).__name__ in ("OutOfMemoryError", "CUDARuntimeError", "CUDADriverError") and (
+        "MemoryAllocation" in text or "OUT_OF_MEMORY" in text or "out of memory" in text.lower())
+
+
+def allocate_arena(alloc: Any, space: str, nbytes: int, buffers: Sequence[Buffer] = ()) -> Any:
+    """``alloc(nbytes)`` (a zeroed uint8 arena), with an allocation failure raised as
+    ArenaOutOfMemory naming the space, the bytes and the largest of ``buffers`` in that space."""
+    try:
+        return alloc(nbytes)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        inside = [b for b in buffers if b.space == space]
+        largest = max(inside, key=lambda b: b.nbytes) if inside else None
+        raise ArenaOutOfMemory(space, nbytes, exc, largest) from exc
 
 
 def _align_up(n: int, align: int) -> int:
@@ -125,9 +165,11 @@ def allocate_arrays(buffers: Sequence[Buffer], xp: Any = numpy) -> dict[str, Any
     call.  ``xp`` is the array module: ``numpy`` (default) or ``cupy`` (CUDA backend).
 
     Raises ValueError for an unplanned buffer, a dtype with no array dtype (``bf16``), or an
-    ``nbytes`` that does not match ``size * DTYPE_BYTES[dtype]``.
+    ``nbytes`` that does not match ``size * DTYPE_BYTES[dtype]``; ArenaOutOfMemory when an
+    arena cannot be allocated.
     """
-    arenas = {space: xp.zeros(n, dtype=xp.uint8) for space, n in arena_sizes(buffers).items()}
+    arenas = {space: allocate_arena(lambda k: xp.zeros(k, dtype=xp.uint8), space, n, buffers)
+              for space, n in arena_sizes(buffers).items()}
     arrays: dict[str, Any] = {}
     for b in buffers:
         dt = ARRAY_DTYPES.get(b.dtype)

@@ -20,7 +20,7 @@ import numpy as np
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl.resolve import CallValue
 from streamsched.interp.barriers import plan_segments
-from streamsched.interp.checkpoint import check_meta, load_checkpoint, save_checkpoint
+from streamsched.interp.checkpoint import check_arrays, check_meta, load_checkpoint, save_checkpoint
 from streamsched.interp.data import Batches, check_compatible, load_dataset
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import make_schedule
@@ -69,6 +69,9 @@ class TrainResult:
     races: list[Diagnostic] = field(default_factory=list)
     note: str = ""
     """Why no step ran, when none did (`--steps 0`, a checkpoint that already holds every epoch)."""
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know about a run that worked (the CLI prints each as `note: ...`),
+    e.g. that `--save` wrote no checkpoint because `--steps` stopped inside the first epoch."""
 
     @property
     def final_accuracy(self) -> float:
@@ -94,26 +97,37 @@ def init_params(program, seed: int) -> dict[str, np.ndarray]:
     copies = [(n, i) for n, i in program.inits if i.startswith("copy:")]
     for name, init in [(n, i) for n, i in program.inits if not i.startswith("copy:")]:
         b = bufs[name]
-        dt = numpy_dtype(b.dtype)
-        if init.startswith("const:"):  # `state s : f32[] = 65536`
-            v = np.full(b.shape, float(init[6:]))
-        elif init == "ones":
-            v = np.ones(b.shape, dt)
-        elif init in ("glorot", "he", "uniform") and len(b.shape) >= 2:
-            fan_in, fan_out = b.shape[0], b.shape[-1]
-            if init == "he":
-                v = rng.normal(0.0, math.sqrt(2.0 / fan_in), b.shape)
-            else:
-                lim = math.sqrt(6.0 / (fan_in + fan_out))
-                v = rng.uniform(-lim, lim, b.shape)
-        elif init == "normal":
-            v = rng.normal(0.0, 0.01, b.shape)
-        else:
-            v = np.zeros(b.shape)
-        out[name] = v.astype(dt)
+        try:
+            out[name] = _init_value(b, init, rng)
+        except MemoryError:  # the arena fit, the temporary of its initial value did not
+            nbytes = b.size * 8
+            raise _x("X013", f"out of memory: cannot allocate {_human_bytes(nbytes)} to initialize `{name}` "
+                     f"({b.dtype}[{', '.join(str(d) for d in b.shape)}], init {init})", b.span,
+                     help="use a smaller batch or smaller layer widths (and smaller state buffers)") from None
     for name, init in copies:  # state that starts as a copy of a parameter (EMA, f32 master)
         out[name] = out[init[5:]].astype(numpy_dtype(bufs[name].dtype))
     return out
+
+
+def _init_value(b, init: str, rng) -> np.ndarray:
+    """The initial value of buffer `b` (see init_params), drawing from `rng`."""
+    dt = numpy_dtype(b.dtype)
+    if init.startswith("const:"):  # `state s : f32[] = 65536`
+        v = np.full(b.shape, float(init[6:]))
+    elif init == "ones":
+        v = np.ones(b.shape, dt)
+    elif init in ("glorot", "he", "uniform") and len(b.shape) >= 2:
+        fan_in, fan_out = b.shape[0], b.shape[-1]
+        if init == "he":
+            v = rng.normal(0.0, math.sqrt(2.0 / fan_in), b.shape)
+        else:
+            lim = math.sqrt(6.0 / (fan_in + fan_out))
+            v = rng.uniform(-lim, lim, b.shape)
+    elif init == "normal":
+        v = rng.normal(0.0, 0.01, b.shape)
+    else:
+        v = np.zeros(b.shape)
+    return v.astype(dt)
 
 
 class CpuRunner:
@@ -151,9 +165,54 @@ class CpuRunner:
         return list(self.ex.races)
 
 
+def _human_bytes(n: int) -> str:
+    x = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if x < 1024 or unit == "EiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:,} bytes ({x:.1f} {unit})"
+        x /= 1024
+    return f"{n:,} bytes"  # pragma: no cover
+
+
+def _out_of_memory(exc, backend: str, compiled: Compiled | None = None) -> StreamschedError:
+    """X013 for an arena (memory.ArenaOutOfMemory) the backend could not allocate; the span is
+    the largest buffer's declaration in the user's file, else the first statement that uses it
+    (a stdlib op's parameter is shown at the model line that calls the op)."""
+    big = exc.largest
+    span = getattr(big, "span", None)
+    if big is not None and compiled is not None and (span is None or span.file.startswith("<")):
+        span = next((t.span for t in compiled.schedule.tasks if big.name in t.args + t.outs
+                     and t.span is not None and not t.span.file.startswith("<")), span)
+    where = "GPU" if exc.space == "device" and backend == "cuda" else "pinned host" if backend == "cuda" else "host"
+    msg = f"out of memory: the {backend} backend could not allocate {_human_bytes(exc.nbytes)} of {where} memory"
+    if big is not None:
+        dims = ", ".join(str(d) for d in big.shape)
+        msg += f"; the largest buffer is `{big.name}` : {big.dtype}[{dims}], {_human_bytes(big.nbytes)}"
+    return _x("X013", msg, span,
+              help="use a smaller batch or smaller layer widths (and smaller state buffers); "
+                   "`streamsched check` does not know how much memory the machine has")
+
+
+def _checkpoint_layout(program) -> dict[str, tuple[tuple[int, ...], np.dtype | None]]:
+    """name -> (shape, dtype) of every array a checkpoint of `program` holds: the buffers with an
+    initial value (parameters, optimizer state, state blocks), as `train` saves them."""
+    bufs = {b.name: b for b in program.buffers}
+    out = {}
+    for name, _ in program.inits:
+        b = bufs[name]
+        try:
+            dt = numpy_dtype(b.dtype)
+        except (NotImplementedError, KeyError):  # bf16: no NumPy dtype to compare with
+            dt = None
+        out[name] = (tuple(b.shape), dt)
+    return out
+
+
 def make_runner(compiled: Compiled, opts: TrainOptions):
     """`--backend auto` picks CUDA when CuPy and a device are present, else the CPU with a notice;
-    `--backend cuda` without a GPU is an X020 diagnostic."""
+    `--backend cuda` without a GPU is an X020 diagnostic; arenas too large to allocate are X013."""
+    from streamsched.interp.memory import ArenaOutOfMemory
+
     want = opts.backend
     if want in ("auto", "cuda"):
         try:
@@ -165,14 +224,20 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
         if ok:
             from streamsched.interp.cuda.runner import CudaRunner
 
-            return CudaRunner(compiled)
+            try:
+                return CudaRunner(compiled)
+            except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
+                raise _out_of_memory(exc, "cuda", compiled) from None
         if want == "cuda":
             raise _x("X020", f"--backend cuda: no usable GPU ({why})",
                      help="install streamsched[cuda12] or [cuda13] on a machine with an NVIDIA GPU, or use --backend cpu")
         print(f"note: no GPU ({why}); running on the CPU backend", file=sys.stderr)
     elif want != "cpu":
         raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
-    return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
+    try:
+        return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
+    except ArenaOutOfMemory as exc:
+        raise _out_of_memory(exc, "cpu", compiled) from None
 
 
 def _call(v: Any, default_name: str) -> tuple[str, tuple, dict]:
@@ -305,52 +370,45 @@ def setting_dir(span, default: str) -> str:
 
 def check_train_settings(program) -> list[Diagnostic]:
     """What `streamsched check` can say about the `train` block without loading data or
-    training: whole-number epochs and seed, a known learning-rate schedule with valid arguments,
-    a known data source whose arguments bind and whose file or folder exists.  Diagnostics carry
-    the setting's span (X001, X002, X004)."""
-    from streamsched.interp.data import REQUIRED, SOURCES, bind_args
-    from streamsched.interp.data import _resolve_path as resolve_path
+    training, with the very checks `train` runs, so that `check` refuses every value `run` would
+    refuse, with the same code and span: whole-number epochs and seed, a known data source whose
+    arguments bind and are in range and whose file or folder exists (data.check_source), a known
+    learning-rate schedule with valid arguments (its warmup against the run's length when the
+    data's size is known without reading it: `digits`), and a `log` that names a file that can
+    be written (X001, X002, X004, X021)."""
+    from streamsched.interp.data import check_source, digits_train_samples
 
     tv = dict(program.train)
     spans = dict(program.train_spans)
+    top = os.path.dirname(os.path.abspath(program.path))
     diags: list[Diagnostic] = []
 
-    def attempt(fn) -> None:
+    def attempt(fn) -> Any:
         try:
-            fn()
+            return fn()
         except StreamschedError as e:
             diags.extend(e.diagnostics)
+            return None
 
-    if "epochs" in tv:
-        attempt(lambda: _whole_number(tv["epochs"], "epochs", spans.get("epochs"), minimum=1, flag=None))
+    epochs = attempt(lambda: _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None))
     if "seed" in tv:
         attempt(lambda: _whole_number(tv["seed"], "seed", spans.get("seed"), minimum=0, flag=None))
-    if "lr" in tv:
-        lname, largs, lkw = _call(tv["lr"], "constant")
-        attempt(lambda: make_schedule(lname, largs, lkw, 10 ** 9, spans.get("lr")))
-    if "data" in tv:
-        dname, dargs, dkw = _call(tv["data"], "digits")
-        span = spans.get("data")
-        base = setting_dir(span, os.path.dirname(os.path.abspath(program.path)))
-
-        def data() -> None:
-            if dname == "digits":
-                a = bind_args("digits", (("test", 0.2), ("seed", 0)), dargs, dkw, span)
-                t = a["test"]
-                if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < float(t) < 1.0:
-                    raise _x("X004", f"digits: `test` is the held-out fraction, between 0 and 1; got {t!r}", span,
-                             help="e.g. `digits(test = 0.2)`")
-            elif dname in ("idx", "npz"):
-                a = bind_args(dname, (("path", REQUIRED),), dargs, dkw, span)
-                path = resolve_path(dname, a["path"], base, span)
-                if not os.path.exists(path):
-                    raise _x("X002", f"{dname}: `{a['path']}` does not exist (looked for {path})", span,
-                             help="relative paths are relative to the folder of the .sched file that writes them")
-            else:
-                raise _x("X001", f"unknown data source `{dname}`", span,
-                         help=f"known sources: {', '.join(SOURCES)}")
-
-        attempt(data)
+    dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
+    dspan = spans.get("data")
+    bound = attempt(lambda: check_source(dname, dargs, dkw, base_dir=setting_dir(dspan, top), span=dspan))
+    total = 10 ** 9  # the run's length, unknown until the data is read
+    m = program.model
+    if dname == "digits" and bound is not None and epochs is not None and m is not None and m.batch:
+        spe = digits_train_samples(bound["test"]) // m.batch
+        if spe >= 1:  # (a batch larger than the data is X006 when run reads it)
+            total = epochs * spe
+    lname, largs, lkw = _call(tv.get("lr", 0.1), "constant")
+    attempt(lambda: make_schedule(lname, largs, lkw, total, spans.get("lr")))
+    if tv.get("log") is not None:
+        log_v = tv["log"]
+        if isinstance(log_v, str) and log_v:
+            log_v = os.path.join(setting_dir(spans.get("log"), top), os.path.expanduser(log_v))
+        attempt(lambda: _check_output(log_v, "the log", None, spans.get("log"), program.path, append=True))
     return diags
 
 
@@ -435,6 +493,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     if opts.resume:
         arrays, meta = load_checkpoint(opts.resume)
         check_meta(meta, expected_meta)
+        check_arrays(arrays, _checkpoint_layout(program), opts.resume)
         for name, v in arrays.items():
             runner.write(name, v)
         start_epoch = int(meta["epoch"]) + 1
@@ -470,6 +529,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
 
     plan = compiled.plan
     steps_run = 0
+    saved_epoch = None  # the last epoch this run wrote a checkpoint for
     try:
         log_f = open(log, "a", encoding="utf-8") if log else None
     except OSError as exc:
@@ -538,6 +598,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                 arrays = {n: runner.read(n) for n in saved}
                 try:
                     save_checkpoint(save, arrays, {**expected_meta, "epoch": e, "history": result.history})
+                    saved_epoch = e
                 except OSError as exc:
                     raise _x("X021", f"cannot write the checkpoint `{save}` after epoch {e}: {exc.strerror or exc}",
                              help="the previous checkpoint, if any, is untouched; free space or name another "
@@ -553,6 +614,17 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     runner.sync()
     result.params = {n: runner.read(n) for n in saved}
     result.steps = steps_run
+    if save and steps_run > 0 and steps_run % spe:  # --steps stopped inside an epoch
+        stopped = (first + steps_run) // spe  # the 0-based epoch it stopped in
+        done = (first + steps_run) % spe
+        why = (f"--steps {opts.max_steps} stopped after {done} of the {spe} steps of epoch {stopped + 1}, "
+               f"and only whole epochs are saved (a resume restarts at an epoch)")
+        if saved_epoch is None:
+            kept = " (the file there is untouched)" if os.path.exists(save) else ""
+            result.notes.append(f"no checkpoint was written to `{save}`{kept}: {why}")
+        else:
+            result.notes.append(f"the checkpoint `{save}` holds epoch {saved_epoch + 1}, not the last {done} "
+                                f"step{'s' if done != 1 else ''}: {why}")
     result.wall_s = time.perf_counter() - t0
     result.races = runner.races
     return result

@@ -160,16 +160,17 @@ class CudaExecutor:
         """One zeroed arena per space (device: CuPy; anything else: pinned host memory) and one
         view per buffer; buffers with the same byte range, dtype and shape get the very same
         array object (CuPy copies an input that overlaps an output unless it *is* the output)."""
-        from streamsched.interp.memory import ARRAY_DTYPES, arena_sizes
+        from streamsched.interp.memory import ARRAY_DTYPES, allocate_arena, arena_sizes
 
         cp = self.cp
-        if arenas is None:
+        if arenas is None:  # an allocation failure (CuPy's OutOfMemoryError) is ArenaOutOfMemory: X013
             arenas = {}
             for space, n in arena_sizes(buffers).items():
                 if space == "device":
-                    arenas[space] = cp.zeros((max(n, 1),), dtype=cp.uint8)
+                    arenas[space] = allocate_arena(lambda k: cp.zeros((max(k, 1),), dtype=cp.uint8), space, n,
+                                                   buffers)
                 else:
-                    arenas[space] = self.ctx.pinned_zeros(n)
+                    arenas[space] = allocate_arena(self.ctx.pinned_zeros, space, n, buffers)
         views: dict[tuple, Any] = {}
         arrays: dict[str, Any] = {}
         for b in buffers:
@@ -410,12 +411,15 @@ class CudaExecutor:
     def _scratch_bound(self) -> list[_Bound]:
         """The tasks bound to a zeroed copy of the arenas: warm-up runs every kernel once for real
         (compiling it and growing its graph's pool) without touching the program's state."""
+        from streamsched.interp.memory import allocate_arena
+
         arenas = {}
         for space, arena in self._arenas.items():
             if space == "device":
-                arenas[space] = self.cp.zeros_like(arena)
+                arenas[space] = allocate_arena(lambda k, a=arena: self.cp.zeros_like(a), space, arena.nbytes,
+                                               self.buffers)
             else:
-                arenas[space] = self.ctx.pinned_zeros(arena.nbytes)
+                arenas[space] = allocate_arena(self.ctx.pinned_zeros, space, arena.nbytes, self.buffers)
         arrays, _ = self._allocate(self.buffers, arenas)
         return [self._bind(t, arrays) for t in self.schedule.tasks]
 
