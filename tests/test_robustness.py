@@ -467,3 +467,13 @@ def test_unlaunched_graphs_and_parameters_left_out_are_warned(tmp_path):
     assert [(c, sev) for c, sev, _, _ in twice] == [("S026", "error")]
     no_pass = _check_text(tmp_path, "p.sched", text.replace("    pass(load[slot])\n", ""))
     assert any(c == "S021" and "never launched" in m for c, _, m, _ in no_pass)
+
+
+@pytest.mark.parametrize("clause,words", [("after a1", "computes `a1` itself"),
+                                          ("after logits", "`logits` is computed by a later line")])
+def test_after_names_an_earlier_model_line(tmp_path, clause, words):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "examples", "mlp_digits.sched"), encoding="utf-8").read()
+    assert "a1     = relu(h1)" in text
+    found = _check_text(tmp_path, "a.sched", text.replace("a1     = relu(h1)", f"a1     = relu(h1) {clause}"))
+    assert [(c, words in m) for c, _, m, _ in found] == [("S007", True)]

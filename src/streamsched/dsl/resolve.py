@@ -617,8 +617,14 @@ class Resolver:
                 self.eval_call(calls[-1], fwd[first:], evals)
                 deps: list[int] = []
                 for r in st.clauses.after:
+                    if r.text in {t.id for t in st.targets}:
+                        self.fail("S007", f"`after {r.text}`: this statement computes `{r.text}` itself", r.span,
+                                  help="`after` names an earlier line of the model")
                     if r.text not in values:
-                        self.fail("S007", f"`after {r.text}`: no value `{r.text}` in model `{m.name.id}`", r.span)
+                        later = any(isinstance(o, A.OpUse) and r.text in {t.id for t in o.targets} for o in m.body)
+                        self.fail("S007", f"`after {r.text}`: " + (f"`{r.text}` is computed by a later line"
+                                  if later else f"no value `{r.text}` in model `{m.name.id}`"), r.span,
+                                  help="`after` names an earlier line of the model")
                     deps.extend(producers.get(r.text, []))
                 for i in range(first, len(fwd)):
                     fwd[i] = replace(fwd[i], after=tuple(sorted(set(fwd[i].after) | set(deps))))
