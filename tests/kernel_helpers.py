@@ -46,3 +46,61 @@ def num_grad(f, x, eps=1e-6):
 
 def close(got, want, tol=1e-6):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def alias_cases(samples, kernel_of=lambda key: key):
+    """(key, output index, input index) for every output of every sample call whose type equals
+    an input's type: the pairs the executor may alias (an update written in place, a planned
+    buffer reused).  samples: key -> (inputs, attrs); kernel_of maps a key to its kernel."""
+    cases = []
+    for key, (ins, attrs) in samples.items():
+        for j, ot in enumerate(infer_types(kernel_of(key), types_of(ins), attrs)):
+            for i, it in enumerate(types_of(ins)):
+                if it == ot:
+                    cases.append((key, j, i))
+    return cases
+
+
+def assert_output_may_be_input(name, ins, attrs, out, inp):
+    """The kernel writes output `out` into input `inp`'s array and gets every output exactly as
+    with fresh outputs."""
+    fresh = run(name, [i.copy() for i in ins], attrs)
+    outs = [np.empty(s, numpy_dtype(d)) for s, d in infer_types(name, types_of(ins), attrs)]
+    outs[out] = ins[inp]
+    kernel(name).cpu(ins, outs, attrs)
+    for got, want in zip(outs, fresh):
+        np.testing.assert_array_equal(got, want)
+
+
+def arena_views(arrays, pad=8):
+    """Views of one uint8 arena holding copies of `arrays`, each at an 8-byte-aligned offset
+    (as the memory planner lays buffers out)."""
+    sizes = [a.nbytes + (-a.nbytes) % pad + pad for a in arrays]
+    arena = np.zeros(sum(sizes) + pad, np.uint8)
+    views, off = [], pad
+    for a, size in zip(arrays, sizes):
+        v = arena[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+        v[...] = a
+        views.append(v)
+        off += size
+    return arena, views
+
+
+def assert_runs_in_one_arena(name, ins, attrs):
+    """Inputs and outputs as views into one byte arena, each output that has an input's type
+    being that input's very view: the results equal those on fresh outputs."""
+    fresh = run(name, [i.copy() for i in ins], attrs)
+    out_types = infer_types(name, types_of(ins), attrs)
+    arena, views = arena_views(ins + [np.zeros(s, numpy_dtype(d)) for s, d in out_types])
+    vin, vout = views[:len(ins)], views[len(ins):]
+    taken = set()
+    for j, ot in enumerate(out_types):
+        for i, it in enumerate(types_of(ins)):
+            if it == ot and i not in taken:
+                vout[j] = vin[i]
+                taken.add(i)
+                break
+    kernel(name).cpu(vin, vout, attrs)
+    for got, want in zip(vout, fresh):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.shares_memory(v, arena) for v in vout)

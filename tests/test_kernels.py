@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamsched.stdlib.kernel_record import KernelTypeError
-from kernel_helpers import close, num_grad, run, run1, types_of  # noqa: F401
+from kernel_helpers import (alias_cases, assert_output_may_be_input, assert_runs_in_one_arena,  # noqa: F401
+                            close, num_grad, run, run1)
 from streamsched.stdlib.kernels import KERNELS, infer_types, kernel, numpy_dtype
 
 FAST = settings(max_examples=25, deadline=None)
@@ -425,24 +426,10 @@ def test_samples_cover_every_cpu_kernel():
     assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items() if k.cpu and n not in CNN_KERNELS}
 
 
-ALIAS_CASES = []
-for _key, (_ins, _attrs) in SAMPLES.items():
-    _name = "matmul" if _key == "matmul_t" else _key
-    for _j, _ot in enumerate(infer_types(_name, types_of(_ins), _attrs)):
-        for _i, _it in enumerate(types_of(_ins)):
-            if _it == _ot:
-                ALIAS_CASES.append((_key, _j, _i))
-
-
-@pytest.mark.parametrize("key,out,inp", ALIAS_CASES)
+@pytest.mark.parametrize("key,out,inp", alias_cases(SAMPLES, lambda k: "matmul" if k == "matmul_t" else k))
 def test_an_output_may_be_an_input(key, out, inp):
     name, ins, attrs = _sample(key)
-    fresh = run(name, [i.copy() for i in ins], attrs)
-    outs = [np.empty(s, numpy_dtype(d)) for s, d in infer_types(name, types_of(ins), attrs)]
-    outs[out] = ins[inp]
-    kernel(name).cpu(ins, outs, attrs)
-    for got, want in zip(outs, fresh):
-        np.testing.assert_array_equal(got, want)
+    assert_output_may_be_input(name, ins, attrs, out, inp)
 
 
 def test_optimizer_outputs_in_place_equal_fresh_outputs():
@@ -470,39 +457,12 @@ def test_lower_precision_runs_and_keeps_its_dtype(key, dtype, tol):
         close(g.astype(np.float64), w, tol * max(1.0, float(np.abs(w).max())))
 
 
-def _arena(arrays, pad=8):
-    """Views of one uint8 arena holding copies of `arrays`, each at an 8-byte-aligned offset."""
-    sizes = [a.nbytes + (-a.nbytes) % pad + pad for a in arrays]
-    arena = np.zeros(sum(sizes) + pad, np.uint8)
-    views, off = [], pad
-    for a, size in zip(arrays, sizes):
-        v = arena[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-        v[...] = a
-        views.append(v)
-        off += size
-    return arena, views
-
-
 @pytest.mark.parametrize("key", list(SAMPLES))
 def test_arena_views_work_and_in_place_outputs_alias(key):
     """Inputs and outputs as views into one byte arena; where an output has an input's type it
     is that input's very view (the `into` case)."""
     name, ins, attrs = _sample(key)
-    fresh = run(name, [i.copy() for i in ins], attrs)
-    out_types = infer_types(name, types_of(ins), attrs)
-    arena, views = _arena(ins + [np.zeros(s, numpy_dtype(d)) for s, d in out_types])
-    vin, vout = views[:len(ins)], views[len(ins):]
-    taken = set()
-    for j, ot in enumerate(out_types):
-        for i, it in enumerate(types_of(ins)):
-            if it == ot and i not in taken:
-                vout[j] = vin[i]
-                taken.add(i)
-                break
-    kernel(name).cpu(vin, vout, attrs)
-    for got, want in zip(vout, fresh):
-        np.testing.assert_array_equal(got, want)
-    assert all(np.shares_memory(v, arena) for v in vout)
+    assert_runs_in_one_arena(name, ins, attrs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 
 import streamsched.stdlib.kernels_cnn as kc
 from streamsched.stdlib.kernel_record import KernelTypeError
-from kernel_helpers import close, num_grad, run, run1, types_of  # noqa: F401
+from kernel_helpers import (alias_cases, assert_output_may_be_input, assert_runs_in_one_arena,  # noqa: F401
+                            close, num_grad, run, run1)
 from streamsched.stdlib.kernels import KERNELS, infer_types, kernel, numpy_dtype
 
 
@@ -634,23 +635,10 @@ def test_samples_cover_every_cnn_kernel():
     assert set(SAMPLES) == set(kc.CNN_KERNELS)
 
 
-ALIAS_CASES = []
-for _key, (_ins, _attrs) in SAMPLES.items():
-    for _j, _ot in enumerate(infer_types(_key, types_of(_ins), _attrs)):
-        for _i, _it in enumerate(types_of(_ins)):
-            if _it == _ot:
-                ALIAS_CASES.append((_key, _j, _i))
-
-
-@pytest.mark.parametrize("key,out,inp", ALIAS_CASES)
+@pytest.mark.parametrize("key,out,inp", alias_cases(SAMPLES))
 def test_an_output_may_be_an_input(key, out, inp):
     name, ins, attrs = _sample(key)
-    fresh = run(name, [i.copy() for i in ins], attrs)
-    outs = [np.empty(s, numpy_dtype(d)) for s, d in infer_types(name, types_of(ins), attrs)]
-    outs[out] = ins[inp]
-    kernel(name).cpu(ins, outs, attrs)
-    for got, want in zip(outs, fresh):
-        np.testing.assert_array_equal(got, want)
+    assert_output_may_be_input(name, ins, attrs, out, inp)
 
 
 def test_in_place_updates_equal_fresh_outputs():
@@ -666,36 +654,12 @@ def test_in_place_updates_equal_fresh_outputs():
             np.testing.assert_array_equal(got, want)
 
 
-def _arena(arrays, pad=8):
-    sizes = [a.nbytes + (-a.nbytes) % pad + pad for a in arrays]
-    arena = np.zeros(sum(sizes) + pad, np.uint8)
-    views, off = [], pad
-    for a, size in zip(arrays, sizes):
-        v = arena[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-        v[...] = a
-        views.append(v)
-        off += size
-    return arena, views
-
-
 @pytest.mark.parametrize("key", list(SAMPLES))
 def test_arena_views_work_and_in_place_outputs_alias(key):
+    """Inputs and outputs as views into one byte arena; where an output has an input's type it
+    is that input's very view (the `into` case)."""
     name, ins, attrs = _sample(key)
-    fresh = run(name, [i.copy() for i in ins], attrs)
-    out_types = infer_types(name, types_of(ins), attrs)
-    arena, views = _arena(ins + [np.zeros(s, numpy_dtype(d)) for s, d in out_types])
-    vin, vout = views[:len(ins)], views[len(ins):]
-    taken = set()
-    for j, ot in enumerate(out_types):
-        for i, it in enumerate(types_of(ins)):
-            if it == ot and i not in taken:
-                vout[j] = vin[i]
-                taken.add(i)
-                break
-    kernel(name).cpu(vin, vout, attrs)
-    for got, want in zip(vout, fresh):
-        np.testing.assert_array_equal(got, want)
-    assert all(np.shares_memory(v, arena) for v in vout)
+    assert_runs_in_one_arena(name, ins, attrs)
 
 
 @pytest.mark.parametrize("key", [k for k in SAMPLES if k not in ("offset_advance", "cast")])

@@ -4,6 +4,8 @@ diagnostics (never a lark exception) whose messages name tokens the way people d
 
 from __future__ import annotations
 
+import difflib
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -366,9 +368,6 @@ def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, s
     close to one (`stream`, `Streams`, `modle`): (NAME, its span, the keyword).  The grammar
     reads any `NAME {` as a train-like block, so a typo there otherwise fails at the first line
     of its body, far from the mistake."""
-    import difflib
-    import re
-
     if pos is None:
         return None
     depth, start, item = 0, None, 0  # item: where the current top-level item starts
@@ -384,19 +383,14 @@ def _misnamed_block(text: str, pos: int | None, path: str) -> tuple[str, Span, s
                 item = m.end()
         elif t == ";" and depth == 0:
             item = m.end()
-    if depth > 0 and start is not None:  # inside `NAME {`: the block's name
-        head = re.search(r"([A-Za-z_][A-Za-z0-9_]*)\s*$", text[:start])
-        if head is not None and re.sub(r"#[^\n]*", "", text[item:head.start(1)]).strip():
-            return None  # `graph g on steps {`: the word before `{` is not the item's first
-    else:  # at the top level: the first word of the item (`modle m(...)`, `grpah g on s`)
-        rest = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text[item:pos])
-        head = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", rest)
-        if head is not None:
-            head = re.match(r"(?s)(.{%d})([A-Za-z_][A-Za-z0-9_]*)" % (item + head.start(1)), text)
+    # the first word of the current top-level item (comments blanked, offsets kept)
+    blank = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text[item:pos])
+    head = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", blank)
     if head is None:
         return None
-    name = head.group(head.lastindex)
-    head_start = head.start(head.lastindex)
+    name, head_start = head.group(1), item + head.start(1)
+    if depth > 0 and blank[head.end(1):start - item].strip():
+        return None  # `graph g on steps {`: inside a block whose header is more than `NAME {`
     if name in _BLOCKS:
         return None
     guess = difflib.get_close_matches(name.lower(), [b for b in _BLOCKS if b != "train"], n=1, cutoff=0.75)

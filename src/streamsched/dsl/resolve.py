@@ -7,6 +7,7 @@ Source: LANGUAGE.md (the forms and their meaning) and the seed's op-to-stream po
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -181,8 +182,6 @@ class Resolver:
                     self.steps.append(item)
                 elif isinstance(item, A.TrainBlock):
                     if item.name.id != "train":
-                        import difflib
-
                         guess = difflib.get_close_matches(item.name.id.lower(), ["train", "streams", "state"], n=1,
                                                           cutoff=0.6)
                         self.err("S016", f"unknown block `{item.name.id}`", item.name.span,
@@ -1379,7 +1378,7 @@ class Resolver:
                 why = unlaunched if "BackwardStmt" in self.runs else ""
                 self.err("S021", f"the optimizer updates `{m}`, but no graph runs `backward {m}`{why}: "
                          "its gradients are never computed", runs["optimizer"],
-                         help=(f"launch that graph in the step" if why else
+                         help=("launch that graph in the step" if why else
                                f"add `backward {m}` after `forward {m}` in the graph that runs the model"))
             if "BackwardStmt" in runs and "ForwardStmt" not in runs:
                 why = unlaunched if "ForwardStmt" in self.runs else ""

@@ -170,21 +170,14 @@ def check_source(source: str, args: tuple, kwargs: dict, *, base_dir: str, span:
         a = bind_args("digits", (("test", 0.2), ("seed", 0)), args, kwargs, span)
         _check_digits_args(a["test"], a["seed"], span)
         return a
-    if source == "idx":
-        a = bind_args("idx", (("path", REQUIRED),), args, kwargs, span)
-        directory = _resolve_path("idx", a["path"], base_dir, span)
-        if not os.path.isdir(directory):
-            what = "is a file, not a folder" if os.path.exists(directory) else "does not exist"
-            raise _err("X002", f"idx: data folder `{directory}` {what}", span,
-                       help="relative paths are resolved against the .sched file's folder")
-        return {**a, "path": directory}
-    if source == "npz":
-        a = bind_args("npz", (("path", REQUIRED),), args, kwargs, span)
-        path = _resolve_path("npz", a["path"], base_dir, span)
-        if not os.path.isfile(path):
-            what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
-            raise _err("X002", f"npz: data file `{path}` {what}", span,
-                       help="relative paths are resolved against the .sched file's folder")
+    if source in ("idx", "npz"):  # idx reads a folder, npz a file
+        a = bind_args(source, (("path", REQUIRED),), args, kwargs, span)
+        path = _resolve_path(source, a["path"], base_dir, span)
+        is_kind, kind, other = (os.path.isdir, "folder", "file") if source == "idx" else (os.path.isfile, "file", "folder")
+        if not is_kind(path):
+            what = f"is a {other}, not a {kind}" if os.path.exists(path) else "does not exist"
+            raise _err("X002", f"{source}: data {kind} `{path}` {what}", span,
+                       help="relative paths are resolved against the folder of the .sched file that writes them")
         return {**a, "path": path}
     raise _err(
         "X001",
@@ -302,10 +295,7 @@ def _read_idx(directory: str, key: str, span: Span | None) -> np.ndarray:
 
 
 def _load_idx_dir(directory: str, span: Span | None) -> Dataset:
-    if not os.path.isdir(directory):
-        what = "is a file, not a folder" if os.path.exists(directory) else "does not exist"
-        raise _err("X002", f"idx: data folder `{directory}` {what}", span,
-                   help="relative paths are resolved against the .sched file's folder")
+    """An MNIST-format folder, already checked to exist by check_source."""
     a = {key: _read_idx(directory, key, span) for key in _IDX_FILES}
     for key in ("x_train", "x_test"):
         if a[key].ndim < 2:
@@ -349,10 +339,7 @@ def own_words(e: BaseException) -> str:
 
 
 def _load_npz(path: str, span: Span | None) -> Dataset:
-    if not os.path.isfile(path):
-        what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
-        raise _err("X002", f"npz: data file `{path}` {what}", span,
-                   help="relative paths are resolved against the .sched file's folder")
+    """An .npz archive, already checked to be a file by check_source."""
     keys = ("x_train", "y_train", "x_test", "y_test")
     bad_file = "the file must be written by np.savez or np.savez_compressed"
     kind = archive_kind(path)

@@ -1434,12 +1434,7 @@ def _i32(*vals):
 def _conv2d_direct(ctx, stream, ins, outs, attrs):
     x, w = ins
     y = outs[0]
-    _contiguous("conv2d", (x, w, y))
-    _disjoint("conv2d", ins, outs)
-    n, h, wd, c = x.shape
-    kh, kw, _, k = w.shape
-    _, oh, ow, _ = y.shape
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d", ins, outs, attrs, x.shape, w.shape, y.shape)
     if y.size == 0:
         return
     f = _cnn_fn("conv", "ss_conv2d", X_t=x.dtype)
@@ -1449,12 +1444,8 @@ def _conv2d_direct(ctx, stream, ins, outs, attrs):
 def _conv2d_grad_x_direct(ctx, stream, ins, outs, attrs):
     dy, w = ins
     dx = outs[0]
-    _contiguous("conv2d_grad_x", (dy, w, dx))
-    _disjoint("conv2d_grad_x", ins, outs)
-    n, oh, ow, k = dy.shape
-    kh, kw, c, _ = w.shape
-    _, h, wd, _ = dx.shape
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d_grad_x", ins, outs, attrs, dx.shape, w.shape,
+                                                         dy.shape)
     if dx.size == 0:
         return
     f = _cnn_fn("conv", "ss_conv2d_grad_x", X_t=dy.dtype)
@@ -1464,12 +1455,8 @@ def _conv2d_grad_x_direct(ctx, stream, ins, outs, attrs):
 def _conv2d_grad_w_direct(ctx, stream, ins, outs, attrs):
     x, dy = ins
     dw = outs[0]
-    _contiguous("conv2d_grad_w", (x, dy, dw))
-    _disjoint("conv2d_grad_w", ins, outs)
-    n, h, wd, c = x.shape
-    _, oh, ow, k = dy.shape
-    kh, kw = dw.shape[0], dw.shape[1]
-    s, p = int(attrs.get("stride", 1)), int(attrs.get("pad", 0))
+    n, h, wd, c, kh, kw, k, oh, ow, s, p = _conv_checked("conv2d_grad_w", ins, outs, attrs, x.shape, dw.shape,
+                                                         dy.shape)
     if dw.size == 0:
         return
     f = _cnn_fn("conv", "ss_conv2d_grad_w", X_t=x.dtype)
