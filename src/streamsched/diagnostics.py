@@ -22,9 +22,20 @@ class Label:
 
 
 @dataclass(frozen=True)
+class Fix:
+    """A mechanical edit that a diagnostic's help describes: replace the text of `span` (end
+    exclusive; an empty span inserts) with `text`.  `apply_fixes` performs it; the suite applies
+    every fix of its golden files and checks the result parses and loses that diagnostic."""
+
+    span: Span
+    text: str
+
+
+@dataclass(frozen=True)
 class Diagnostic:
     """One user-facing finding.  severity is "error" or "warning"; span may be None for
-    findings with no source position (a missing data file named on the command line)."""
+    findings with no source position (a missing data file named on the command line).
+    fixes: the edits the help suggests, when it suggests one (all in one file, applied together)."""
 
     code: str
     message: str
@@ -33,6 +44,7 @@ class Diagnostic:
     labels: tuple[Label, ...] = ()
     severity: str = "error"
     notes: tuple[str, ...] = ()
+    fixes: tuple[Fix, ...] = ()
 
     def sort_key(self) -> tuple:
         s = self.span
@@ -52,7 +64,31 @@ class Diagnostic:
             "help": self.help,
             "labels": [{"span": sp(l.span), "message": l.message} for l in self.labels],
             "notes": list(self.notes),
+            "fixes": [{"span": sp(f.span), "text": f.text} for f in self.fixes],
         }
+
+
+def apply_fixes(text: str, fixes) -> str:
+    """`text` with every Fix applied (spans are 1-based line/column, end exclusive, all in this
+    text).  Raises ValueError for overlapping fixes or a span outside the text."""
+    lines = text.split("\n")
+    starts = [0]
+    for ln in lines:
+        starts.append(starts[-1] + len(ln) + 1)
+
+    def offset(line: int, col: int) -> int:
+        if not 1 <= line <= len(lines) or not 1 <= col <= len(lines[line - 1]) + 1:
+            raise ValueError(f"position {line}:{col} is outside the text")
+        return starts[line - 1] + col - 1
+
+    edits = sorted(((offset(f.span.line, f.span.col), offset(f.span.end_line, f.span.end_col), f.text)
+                    for f in fixes), reverse=True)
+    for (a, b, _), (c, _d, _t) in zip(edits[1:], edits):
+        if b > c:
+            raise ValueError("overlapping fixes")
+    for a, b, t in edits:
+        text = text[:a] + t + text[b:]
+    return text
 
 
 class StreamschedError(Exception):

@@ -20,7 +20,7 @@ from streamsched.interp.ir import Edge, EventPlan, Schedule
 from streamsched.interp.lint import lint_launches, lint_precision, lint_schedule, lint_updates
 from streamsched.interp.opcheck import check_op_bodies
 from streamsched.interp.unroll import default_steps, unroll
-from streamsched.interp.validate import validate_plan, validate_schedule
+from streamsched.interp.validate import validate_plan, validate_schedule, validate_step
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ def _plan(program: Program, steps: int) -> "Compiled":
     declared = {n for n, _ in program.streams}
     diags = check_op_bodies(list(program.user_ops), lambda nm: nm.id if nm is not None and nm.id in declared else None,
                             schedule.policy)
+    diags += list(validate_step(schedule.launches))
     diags += list(validate_schedule(schedule, edges))
     host_read = {program.model.loss} if program.model else set()
     diags += lint_schedule(schedule, {n for n, _ in program.inits}, host_read)

@@ -108,9 +108,18 @@ class Ref:
 
 @dataclass(frozen=True)
 class Clauses:
+    """The `on`, `into` and `after` clauses of a statement, with the spans a mechanical fix needs:
+    `into_span` covers `into NAME`, `after_clauses` is each `after a, b` clause as written
+    (interp.ir.AfterClause: its span and its refs' texts and spans), and `tail` is the
+    empty span right after the statement's last token (before a `;` or a comment), where a new
+    clause can be inserted.  Several `after` clauses are one list (`after a after b`)."""
+
     on: Name | None = None
     into: Name | None = None
     after: tuple[Ref, ...] = ()
+    into_span: Span | None = _span()
+    after_clauses: tuple = field(default=(), compare=False, repr=False)
+    tail: Span | None = _span()
 
 
 # ---- streams, ops, placement --------------------------------------------------------------

@@ -14,7 +14,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl import ast as A
-from streamsched.interp.ir import Span
+from streamsched.interp.ir import AfterClause, Span
 
 # lark's terminal names, as a person would say them (STYLE.md habit 4).
 _TOKEN_WORDS = {
@@ -133,27 +133,39 @@ class _ToAst(Transformer):
     def targets(self, ch):
         return tuple(ch)
 
-    def on_clause(self, ch):
-        return ("on", ch[0])
+    @v_args(meta=True)
+    def on_clause(self, meta, ch):
+        return ("on", ch[0], self._sp(meta))
 
-    def into_clause(self, ch):
-        return ("into", ch[0])
+    @v_args(meta=True)
+    def into_clause(self, meta, ch):
+        return ("into", ch[0], self._sp(meta))
 
-    def after_clause(self, ch):
-        return ("after", tuple(ch))
+    @v_args(meta=True)
+    def after_clause(self, meta, ch):
+        return ("after", tuple(ch), self._sp(meta))
 
-    @staticmethod
-    def _clauses(items) -> A.Clauses:
-        on = into = None
+    def _clauses(self, items, head=()) -> A.Clauses:
+        """Clauses of one statement; `head` are the statement's other children, so `tail` (the
+        insertion point after the last token, before any `;`) can be found."""
+        on = into = into_span = None
         after: tuple = ()
-        for kind, v in items:
+        after_clauses: tuple = ()
+        for kind, v, sp in items:
             if kind == "on":
                 on = v
             elif kind == "into":
-                into = v
+                into, into_span = v, sp
             else:
                 after = after + v
-        return A.Clauses(on, into, after)
+                if sp is not None:
+                    after_clauses += (AfterClause(sp, tuple((r.text, r.span) for r in v)),)
+        ends = [sp for _, _, sp in items if sp is not None] + [s for s in map(_span_of, head) if s is not None]
+        tail = None
+        if ends:
+            last = max(ends, key=lambda s: (s.end_line, s.end_col))
+            tail = Span(last.file, last.end_line, last.end_col, last.end_line, last.end_col)
+        return A.Clauses(on, into, after, into_span, after_clauses, tail)
 
     # ---- streams, ops, place
     @v_args(meta=True)
@@ -187,7 +199,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def kernel_stmt(self, meta, ch):
-        return A.KernelStmt(ch[0], ch[1], self._clauses(ch[2:]), self._sp(meta))
+        return A.KernelStmt(ch[0], ch[1], self._clauses(ch[2:], ch[:2]), self._sp(meta))
 
     @v_args(meta=True)
     def op_def(self, meta, ch):
@@ -209,7 +221,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def op_use(self, meta, ch):
-        return A.OpUse(ch[0], ch[1], self._clauses(ch[2:]), self._sp(meta))
+        return A.OpUse(ch[0], ch[1], self._clauses(ch[2:], ch[:2]), self._sp(meta))
 
     @v_args(meta=True)
     def model_def(self, meta, ch):
@@ -252,7 +264,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def call_stmt(self, meta, ch):
-        return A.CallStmt(ch[0], self._clauses(ch[1:]), self._sp(meta))
+        return A.CallStmt(ch[0], self._clauses(ch[1:], ch[:1]), self._sp(meta))
 
     @v_args(meta=True)
     def graph_def(self, meta, ch):
@@ -260,18 +272,20 @@ class _ToAst(Transformer):
         return A.GraphDef(name, slots or (), stream, tuple(body), self._sp(meta))
 
     # ---- steps, train
-    def launch_args(self, ch):
-        return tuple(c for c in ch if c is not None)
+    @v_args(meta=True)
+    def launch_args(self, meta, ch):
+        return _Spanned(tuple(c for c in ch if c is not None), self._sp(meta))
 
     @v_args(meta=True)
     def launch_stmt(self, meta, ch):
         ref, binds, *cl = ch
-        return A.LaunchStmt(ref, binds, self._clauses(cl), self._sp(meta))
+        head = (ref,) + ((binds,) if binds is not None else ())
+        return A.LaunchStmt(ref, tuple(binds) if binds is not None else None, self._clauses(cl, head), self._sp(meta))
 
     @v_args(meta=True)
     def step_upload(self, meta, ch):
         name, *cl = ch
-        c = self._clauses(cl)
+        c = self._clauses(cl, (name,))
         return A.UploadStmt(name, c.on, c, self._sp(meta))
 
     @v_args(meta=True)
@@ -306,6 +320,29 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def include_stmt(self, meta, ch):
         return A.Include(str(ch[0])[1:-1], self._sp(meta))
+
+
+class _Spanned(tuple):
+    """A tuple of AST nodes that remembers the span of its brackets (`pass(load[slot])`)."""
+
+    def __new__(cls, items, span):
+        t = super().__new__(cls, items)
+        t.span = span
+        return t
+
+
+def _span_of(node) -> Span | None:
+    """The span covering an AST node or a tuple of them (None when nothing has one)."""
+    if isinstance(node, _Spanned) and node.span is not None:
+        return node.span
+    if isinstance(node, tuple):
+        spans = [s for s in map(_span_of, node) if s is not None]
+        if not spans:
+            return None
+        lo = min(spans, key=lambda s: (s.line, s.col))
+        hi = max(spans, key=lambda s: (s.end_line, s.end_col))
+        return Span(lo.file, lo.line, lo.col, hi.end_line, hi.end_col)
+    return getattr(node, "span", None)
 
 
 def _expected(exc: UnexpectedInput) -> str:

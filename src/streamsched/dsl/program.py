@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamsched.interp.ir import Buffer, Span
+from streamsched.interp.ir import Buffer, Site, Span
 
 SLOT = "{slot}"
 
@@ -31,6 +31,7 @@ class TaskTemplate:
     stmt: str = ""
     label: str = ""
     span: Span | None = field(default=None, compare=False, repr=False)
+    site: Site | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class Launch:
     after: tuple[AfterRef, ...] = ()
     binds: tuple[str, ...] = ()  # `pass(load[slot])`: ordered after that slot's latest `load`
     span: Span | None = field(default=None, compare=False, repr=False)
+    tail: Span | None = field(default=None, compare=False, repr=False)
+    """Where a new clause goes on the statement: right after its last token, before any `;`."""
+    ref: str = ""
+    """How an `after` on another step statement names this launch: `pass`, `upload.lr`."""
+    after_clauses: tuple = field(default=(), compare=False, repr=False)
+    """The statement's `after` clauses as written (interp.ir.AfterClause)."""
+    text: str = ""
+    """The statement as a user writes it, without its clauses: `load[next]`, `pass(load[slot])`."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedE
 from streamsched.dsl import ast as A
 from streamsched.dsl.load import STDLIB_PATH, load_program_files, stdlib_file
 from streamsched.dsl.program import SLOT, AfterRef, GraphInfo, Launch, ModelInfo, Program, TaskTemplate
-from streamsched.interp.ir import DTYPE_BYTES, HOST, Buffer, Span
+from streamsched.interp.ir import DTYPE_BYTES, HOST, Buffer, Site, Span
 from streamsched.stdlib.kernel_record import KernelTypeError
 
 ROLES = ("copy", "compute", "update")
@@ -419,20 +419,30 @@ class Resolver:
             stream = st.clauses.on and self.stream(st.clauses.on, stdlib) or rep
             target0 = st.targets[0].id
             stream = self.placed(f"{op.name}.{target0}", stream, stdlib)
+            into = None
+            if st.clauses.into is not None:
+                if st.clauses.into.id in {t.id for t in st.targets}:
+                    self.fail("S015", f"`into {st.clauses.into.id}` names this statement's own result", st.clauses.into.span,
+                              help="`into` names a parameter or an earlier result whose storage the result reuses")
+                if st.clauses.into.id not in env or st.clauses.into.id == "__attrs__":
+                    self.fail("S007", f"unknown buffer `{st.clauses.into.id}` in `into`", st.clauses.into.span)
+                into = env[st.clauses.into.id]
             outs = []
             for t in st.targets:
                 if t.id in env and t.id not in out_names and t.id not in bind:
                     self.fail("S002", f"`{t.id}` is assigned twice in op `{op.name}`", t.span)
                 if t.id not in env:
-                    env[t.id] = f"{prefix}.{t.id}"
+                    # A result placed into a per-slot buffer exists once per slot too (`x[a]`, `x[b]`).
+                    env[t.id] = f"{prefix}.{t.id}" + (f"[{SLOT}]" if into is not None and SLOT in into else "")
                 outs.append(env[t.id])
-            into = None
-            if st.clauses.into is not None:
-                if st.clauses.into.id not in env:
-                    self.fail("S007", f"unknown buffer `{st.clauses.into.id}` in `into`", st.clauses.into.span)
-                into = env[st.clauses.into.id]
             first = len(out)
             self.lower_stmt(st, env, outs, stream, into, out, op_id, rep, label, call_span, stdlib, op)
+            user = not stdlib
+            for i in range(first, len(out)):
+                out[i] = replace(out[i], site=Site(op=target0 if user else "", op_tail=st.clauses.tail if user else None,
+                                                   into_span=st.clauses.into_span if into is not None and user
+                                                   and i == len(out) - 1 else None,
+                                                   op_afters=st.clauses.after_clauses if user else ()))
             stmt_index[target0] = len(out) - 1
             for t in st.targets[1:]:
                 stmt_index[t.id] = len(out) - 1
@@ -563,20 +573,36 @@ class Resolver:
                 for name in self.slotted(o):
                     self.add_buffer(name, shp, dt, "temp" if ".t" in o.rsplit(".", 1)[-1][:2] else kind, span)
         if into is not None:
-            root = self.slotted(into)[0]
-            root_b = self.buffers[root]
-            while root_b.alias_of:
-                root_b = self.buffers[root_b.alias_of]
-            for o in outs:
-                for name in self.slotted(o):
-                    b = self.buffers[name]
-                    if b.size * DTYPE_BYTES[b.dtype] > root_b.size * DTYPE_BYTES[root_b.dtype]:
-                        self.fail("S003", f"`into {into}`: `{o}` does not fit in the storage of `{into}`", span)
-                    self.buffers[name] = replace(b, alias_of=root_b.name)
+            self.alias_into(outs, into, span, call_span if stdlib else None)
         # A task of a stdlib op points at the user's line that called the op.
         where = call_span if (stdlib and call_span is not None) else span
         out.append(TaskTemplate(kname, stream, tuple(args), tuple(outs), tuple(attrs), (), op_id, rep, stmt,
                                 f"{label}.{stmt}" if stmt else label, where))
+
+    def alias_into(self, outs, into: str, span: Span | None, call_span: Span | None = None) -> None:
+        """Make every buffer of `outs` reuse the storage of `into` (its alias root), slot by slot:
+        `x[a]`'s result lives in `x[a]`, `x[b]`'s in `x[b]` (LANGUAGE.md, `into`)."""
+        at = call_span or span
+        for o in outs:
+            if SLOT in into and SLOT not in o:
+                self.fail("S003", f"`into {_shown(into)}`: `{_shown(into)}` has one buffer per slot "
+                          f"({', '.join(self.slots)}), but `{_shown(o)}` has one for all slots", at,
+                          help=f"drop `into {_shown(into)}`")
+            pairs = [(o.replace(SLOT, sl), into.replace(SLOT, sl)) for sl in self.slots] if SLOT in o else [(o, into)]
+            for name, target in pairs:
+                root_b = self.buffers[target]
+                while root_b.alias_of:
+                    root_b = self.buffers[root_b.alias_of]
+                b = self.buffers[name]
+                if b.name == root_b.name:
+                    continue  # a value placed into itself
+                if b.alias_of and b.alias_of != root_b.name:
+                    self.fail("S015", f"`into {_shown(into)}`: `{_shown(o)}` already reuses the storage of "
+                              f"`{_shown(b.alias_of)}`", at, help=f"drop `into {_shown(into)}`")
+                if b.size * DTYPE_BYTES[b.dtype] > root_b.size * DTYPE_BYTES[root_b.dtype]:
+                    self.fail("S003", f"`into {_shown(into)}`: `{_shown(o)}` does not fit in the storage of "
+                              f"`{_shown(into)}`", at)
+                self.buffers[name] = replace(b, alias_of=root_b.name)
 
     def has(self, name: str) -> bool:
         return self.slotted(name)[0] in self.buffers
@@ -612,7 +638,8 @@ class Resolver:
                 calls.append(self.model_call(m, st, env, values, fwd, len(calls), params))
                 # `after` on model lines names model values: tasks answer to their value's name
                 for i in range(first, len(fwd)):
-                    fwd[i] = replace(fwd[i], stmt=st.targets[0].id)
+                    site = replace(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail)
+                    fwd[i] = replace(fwd[i], stmt=st.targets[0].id, site=site)
                 self.eval_call(calls[-1], fwd[first:], evals)
                 deps: list[int] = []
                 for r in st.clauses.after:
@@ -737,24 +764,51 @@ class Resolver:
         if not 1 <= len(st.targets) <= len(op.outs):
             self.fail("S005", f"op `{op.name}` produces {len(op.outs)} value(s); {len(st.targets)} target(s) given",
                       st.span)
+        # `into V` on the model line: the line's results reuse the storage of the model value V.
+        into = None
+        if st.clauses.into is not None:
+            iv = st.clauses.into.id
+            if iv in self._poisoned:
+                raise _Abort()
+            if iv not in values:
+                self.fail("S007", f"`into {iv}`: no value `{iv}` in model `{m.name.id}`", st.clauses.into.span,
+                          help="`into` names an earlier value of the model whose storage this line's result reuses")
+            into = values[iv]
+        # Results an op body writes `into` a per-slot buffer (the model's input) exist per slot too.
+        per_slot = {p.name.id for p in ins if SLOT in bind.get(p.name.id, "")}
+        for kst in op.body:
+            if kst.clauses.into is not None and kst.clauses.into.id in per_slot:
+                per_slot.update(t.id for t in kst.targets)
+        sfx = f"[{SLOT}]"
         # Outputs past the targets are kept for the backward (batch statistics, dropout masks).
         for o in op.outs[len(st.targets):]:
-            bind[o.name.id] = f"{target0}.{o.name.id}"
+            bind[o.name.id] = f"{target0}.{o.name.id}" + (sfx if o.name.id in per_slot else "")
         for t, o in zip(st.targets, op.outs):
             if t.id in values:
                 self.fail("S002", f"`{t.id}` is defined twice in model `{m.name.id}`", t.span)
-            slotted = any(SLOT in b for b in bind.values())
-            bname = f"{t.id}[{SLOT}]" if False and slotted else t.id
+            slotted = o.name.id in per_slot or (into is not None and SLOT in into)
+            bname = t.id + (sfx if slotted else "")
             bind[o.name.id] = bname
             if o.type is not None:
                 shape, dtype = self.type_shape(o.type, dims)
-                self.add_buffer(bname, shape, dtype, "act", t.span)
+                for n in self.slotted(bname):
+                    self.add_buffer(n, shape, dtype, "act", t.span)
             values[t.id] = bname
         attr_vals = {**dims, **attr_vals}  # dimension variables are constants in the body too
         env_op = dict(bind)
         env_op["__attrs__"] = attr_vals
         label = f"{op.name}@{target0}"
-        self.expand_op(op, env_op, attr_vals, fwd, op_id, target0, label, st.span)
+        on = self.stream(st.clauses.on, False) if st.clauses.on is not None else None
+        first = len(fwd)
+        self.expand_op(op, env_op, attr_vals, fwd, op_id, target0, label, st.span, on=on)
+        if into is not None:
+            self.alias_into([bind[o.name.id] for o in op.outs[:len(st.targets)]], into, st.span)
+            # The call's last task writing a result carries the clause (a fix drops it there).
+            for i in reversed(range(first, len(fwd))):
+                if set(fwd[i].outs) & {bind[o.name.id] for o in op.outs[:len(st.targets)]}:
+                    site = fwd[i].site or Site()
+                    fwd[i] = replace(fwd[i], site=replace(site, into_span=st.clauses.into_span))
+                    break
         return _Call(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
                      tuple(o.name.id for o in op.outs), st.span, label)
 
@@ -882,7 +936,10 @@ class Resolver:
         out: list[TaskTemplate] = []
         slotted_graph = bool(g.slots)
         op_id = op_base
-        for st in g.body:
+        spans_of: list[tuple[str, int, int]] = []  # (statement name, first template, end) per statement
+        pending_after: list[tuple[int, int, A.CallStmt]] = []
+        for gi, st in enumerate(g.body):
+            start = len(out)
             try:
                 if isinstance(st, A.CopyStmt):
                     if st.source.id != "batch":
@@ -922,8 +979,9 @@ class Resolver:
                             # The backward is derived, so nobody can write its `after` clauses: its
                             # data flow (RAW) is ordered for the user under every policy.
                             after = tuple(sorted(set(after) | {last_writer[a] for a in t.args if a in last_writer}))
+                        site = replace(t.site or Site(), derived=derived)
                         out.append(replace(t, op=t.op + op_base + 1000 * (1 + derived), after=after,
-                                           label=f"{g.name.id}: {t.label}"))
+                                           label=f"{g.name.id}: {t.label}", site=site))
                         for o in t.outs:
                             last_writer[o] = len(out) - 1
                 elif isinstance(st, A.ClearStmt):
@@ -950,9 +1008,43 @@ class Resolver:
                                             op_id, home, st.name.id, f"{g.name.id}: alloc {st.name.id}", st.span))
                     op_id += 1
                 elif isinstance(st, A.CallStmt):
+                    if st.clauses.into is not None:
+                        self.fail("S015", f"`into` on a graph statement: `{st.call.func.id}` writes the buffers it is "
+                                  "given", st.clauses.into_span or st.clauses.into.span,
+                                  help=f"drop `into {st.clauses.into.id}`; `into` belongs to a statement of an op body "
+                                       "or a model line")
                     op_id = self.graph_op_call(g, st, out, op_id, model_name)
+                    if st.clauses.after:
+                        pending_after.append((start, len(out), st))
             except _Abort:
                 continue
+            finally:
+                gname = _graph_stmt_name(st)
+                gtail = st.clauses.tail if isinstance(st, A.CallStmt) else None
+                gafters = st.clauses.after_clauses if isinstance(st, A.CallStmt) else ()
+                for i in range(start, len(out)):
+                    out[i] = replace(out[i], site=replace(out[i].site or Site(), gstmt=gi, gname=gname, gtail=gtail,
+                                                          g_afters=gafters))
+                spans_of.append((gname, start, len(out)))
+        # `after NAME` on a graph statement: its tasks follow the last task on each stream of the
+        # latest earlier statement called NAME (a later one closes a cycle: R002 reports it).
+        for start, end, st in pending_after:
+            for r in st.clauses.after:
+                pos = next((i for i, (nm, a, b) in enumerate(spans_of) if a == start and b == end), len(spans_of))
+                earlier = [sp for sp in spans_of[:pos] if sp[0] == r.text]
+                named = earlier[-1:] or [sp for sp in spans_of[pos + 1:] if sp[0] == r.text][:1]
+                if not named:
+                    names = sorted({nm for nm, _, _ in spans_of[:pos]})
+                    self.err("S007", f"`after {r.text}`: no statement `{r.text}` in graph `{g.name.id}` before this one",
+                             r.span, help="`after` in a graph names an earlier statement of the graph: "
+                                          + (", ".join(f"`{n}`" for n in names) if names else "there is none"))
+                    continue
+                _, a, b = named[0]
+                sinks: dict[str, int] = {}
+                for i in range(a, b):
+                    sinks[out[i].stream] = i
+                for i in range(start, end):
+                    out[i] = replace(out[i], after=tuple(sorted(set(out[i].after) | set(sinks.values()))))
         slotted = any(SLOT in n for t in out for n in t.args + t.outs)
         return GraphInfo(g.name.id, home, tuple(s.id for s in g.slots), tuple(out), slotted, g.span)
 
@@ -1198,10 +1290,26 @@ class Resolver:
         s = self.steps[0]
         slot_param = s.param.id if s.param else ""
         out = []
+        launched = {".".join(p.id for p in st.ref.parts) for st in s.body if isinstance(st, A.LaunchStmt)}
+        launched |= {f"upload.{st.name.id}" for st in s.body if isinstance(st, A.UploadStmt)}
         for st in s.body:
             try:
                 clauses = getattr(st, "clauses", None)
                 after = tuple(self.after_ref(r, graphs) for r in clauses.after) if clauses else ()
+                for r, ar in zip(clauses.after if clauses else (), after):
+                    if ar.graph not in launched:
+                        what = (f"the step does not upload `{ar.graph[7:]}` (a graph does: order after that graph)"
+                                if ar.graph.startswith("upload.") else f"the step never launches `{ar.graph}`")
+                        self.fail("S008", f"`after {r.text}`: {what}", r.span,
+                                  help="`after` in the step names another statement of the step: "
+                                       + ", ".join(f"`{n}`" for n in sorted(launched)))
+                if clauses is not None and isinstance(st, A.LaunchStmt) and (clauses.on or clauses.into):
+                    bad = clauses.on or clauses.into
+                    kw = "on" if clauses.on else "into"
+                    self.fail("S015", f"`{kw}` on a launch: graph `{st.ref.text}` runs on its home stream and writes "
+                              "its own buffers", bad.span,
+                              help=f"drop `{kw} {bad.id}`; a graph's home stream is set where it is defined "
+                                   "(`graph NAME on STREAM`), a kernel's with `on` in an op body")
                 if isinstance(st, A.UploadStmt):
                     self.host_value(st.name)
                     stream = self.stream(st.stream, False) if st.stream else self.fold("trans")
@@ -1210,11 +1318,17 @@ class Resolver:
                         self.add_buffer(n, (), "f32", "staging", st.name.span, space="host")
                     self.add_buffer(st.name.id, (), "f32", "scalar", st.name.span)
                     self.uploads.add(st.name.id)
-                    out.append(Launch("upload", name=st.name.id, stream=stream, after=after, span=st.span))
+                    out.append(Launch("upload", name=st.name.id, stream=stream, after=after, span=st.span,
+                                      tail=st.clauses.tail, ref=f"upload.{st.name.id}",
+                                      after_clauses=st.clauses.after_clauses,
+                                      text=f"upload {st.name.id}" + (f" on {st.stream.id}" if st.stream else "")))
                 elif isinstance(st, A.SyncStmt):
-                    out.append(Launch("sync", span=st.span))
+                    out.append(Launch("sync", span=st.span, ref="synchronize"))
                 else:
-                    out.append(self.launch(st, graphs, slot_param, after))
+                    ln = self.launch(st, graphs, slot_param, after)
+                    text = st.ref.text + (f"({', '.join(b.text for b in st.binds)})" if st.binds is not None else "")
+                    out.append(replace(ln, tail=st.clauses.tail, ref=ln.graph, after_clauses=st.clauses.after_clauses,
+                                       text=text))
             except _Abort:
                 continue
         return tuple(out)
@@ -1222,7 +1336,7 @@ class Resolver:
     def after_ref(self, r: A.Ref, graphs) -> AfterRef:
         parts = [p.id for p in r.parts]
         prev = False
-        if len(parts) == 2 and parts[0] == "prev":
+        if len(parts) >= 2 and parts[0] == "prev":
             prev, parts = True, parts[1:]
         if len(parts) == 2 and parts[0] == "upload":
             if parts[1] not in self.uploads_planned:
@@ -1399,6 +1513,22 @@ class Resolver:
                        tuple(self.inits.items()), tuple(graphs.values()), step, self.slots, self.model_info,
                        train_vals, train_spans, pol, cap, tuple(sorted(self.uploads)),
                        loss_scale=self.loss_scale)
+
+
+def _graph_stmt_name(st) -> str:
+    """How `after` in a graph body names a statement of it: an op call by its op (`nonfinite`),
+    the others by their keyword (`forward`, `backward`, `clear`, `copy`), an upload as `upload.NAME`."""
+    if isinstance(st, A.CallStmt):
+        return st.call.func.id
+    if isinstance(st, A.UploadStmt):
+        return f"upload.{st.name.id}"
+    return {A.CopyStmt: "copy", A.ClearStmt: "clear", A.ForwardStmt: "forward", A.BackwardStmt: "backward",
+            A.SyncStmt: "synchronize", A.AllocStmt: "alloc"}.get(type(st), "")
+
+
+def _shown(name: str) -> str:
+    """A buffer name as the user wrote it: `x[{slot}]` -> `x`."""
+    return name.replace(f"[{SLOT}]", "")
 
 
 def _type_text(t: A.TypeExpr) -> str:

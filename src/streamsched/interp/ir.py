@@ -72,6 +72,43 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class AfterClause:
+    """One `after a, b` clause as written: the clause's span and each ref's text and span (what a
+    fix that drops one ref needs)."""
+
+    span: Span
+    refs: tuple[tuple[str, Span], ...]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a task came from, level by level, so a diagnostic can say where an `after` (or the
+    removal of an `into`) fixes it, in syntax that is valid there.
+
+    op / op_tail: the task's statement name in a *user* op body and the insertion point after its
+    last token ("" / None inside a stdlib op, whose lines the user cannot edit); line / line_tail:
+    the model value of the model line whose call made the task ("" for derived backward work and
+    graph statements); gstmt / gname / gtail: the index of its graph statement, the name another
+    statement of that graph body orders after it with (`after nonfinite`, `after backward`), and
+    the insertion point on it (None when the statement takes no clauses); into_span: the `into X`
+    clause that placed the task's output (None when it has none); derived: the task belongs to
+    the derived backward (nobody writes `after` on it); op_afters / g_afters: the `after` clauses
+    of its op-body statement / graph statement as written."""
+
+    op: str = ""
+    op_tail: Span | None = None
+    line: str = ""
+    line_tail: Span | None = None
+    gstmt: int = -1
+    gname: str = ""
+    gtail: Span | None = None
+    into_span: Span | None = None
+    derived: bool = False
+    op_afters: tuple[AfterClause, ...] = ()
+    g_afters: tuple[AfterClause, ...] = ()
+
+
+@dataclass(frozen=True)
 class Task:
     """One kernel launch (or one host action) in issue order.
 
@@ -103,6 +140,9 @@ class Task:
     label: str = ""
     stmt: str = ""
     span: Span | None = field(default=None, compare=False, repr=False)
+    launch: int = -1
+    """Index of the step statement (Schedule.launches) that issued the task; -1 for none."""
+    site: Site | None = field(default=None, compare=False, repr=False)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -153,6 +193,9 @@ class Schedule:
     steps: int = 1
     capture: str = "none"
     policy: str = "auto"
+    launches: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """The step's statements (dsl.program.Launch records: graph name, span, source text), indexed
+    by Task.launch; empty for schedules built by hand."""
 
     def buffer_map(self) -> dict[str, Buffer]:
         return {b.name: b for b in self.buffers}

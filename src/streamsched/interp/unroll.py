@@ -84,7 +84,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                     unit=-1 if t.stream == HOST else unit, op=op_ids[key], rep_stream=t.rep_stream,
                     step=k, slot=slot, key=f"{tag}|{li}|{ti}", label=f"{t.label}" if not slot or not g.slotted
                     else t.label.replace(f"{g.name}:", f"{inst}:", 1),
-                    stmt=t.stmt or g.name, span=t.span))
+                    stmt=t.stmt or g.name, span=t.span, launch=li, site=t.site))
                 ids.append(len(tasks) - 1)
         elif launch.kind == "upload":
             hb = f"{launch.name}@host" + (f"[{slots[k % period]}]" if program.slots else "")
@@ -94,21 +94,25 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                 if capture == "step" else -1
             tasks.append(Task(len(tasks), "set_scalar", HOST, (), (hb,), (("name", launch.name),), (), -1,
                               op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"upload.{launch.name}: set {launch.name}",
-                              f"set.{launch.name}", launch.span))
+                              f"set.{launch.name}", launch.span, launch=li))
             tasks.append(Task(len(tasks), "h2d", launch.stream, (hb,), (launch.name,), (), (), unit,
                               op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload.{launch.name}: upload {launch.name}",
-                              f"upload.{launch.name}", launch.span))
+                              f"upload.{launch.name}", launch.span, launch=li))
             ids.extend([len(tasks) - 2, len(tasks) - 1])
         elif launch.kind == "sync":
             # The host waits for everything issued so far: ordered after each stream's last task.
+            # Under capture = step the step is one graph, which cannot hold it (C003): it orders
+            # nothing then, and validate_schedule reports it.
             last: dict[str, int] = {}
             for t in tasks:
                 last[t.stream] = t.id
             key = (k, li, "sync")
             op_ids[key] = len(op_ids)
-            tasks.append(Task(len(tasks), "synchronize", HOST, (), (), (), tuple(sorted(last.values())), -1,
+            after = tuple(sorted(last.values())) if capture != "step" else ()
+            attrs = (("in_step_graph", True),) if capture == "step" else ()
+            tasks.append(Task(len(tasks), "synchronize", HOST, (), (), attrs, after, -1,
                               op_ids[key], HOST, k, slot, f"{tag}|{li}|sync", "synchronize", "synchronize",
-                              launch.span))
+                              launch.span, launch=li))
             ids.append(len(tasks) - 1)
         # `after` between launches: every task of this launch follows the referenced launch's
         # last task on each stream.
@@ -163,9 +167,12 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
         if launch.kind == "graph":
             instances.append((launch.graph, slot, ids))
         if extra:
+            # The launch's device work follows; its host staging is ordered by its own hazards
+            # alone (the copy that last read the slot, above), since the step issues it first.
             for tid in ids:
                 t = tasks[tid]
-                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(extra)))})
+                if t.stream != HOST:
+                    tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(extra)))})
         issued[(k, li)] = ids
 
     # Prologue: the launches made on `next`, for step 0's slot.
@@ -179,7 +186,8 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             emit(k, li, l, slot, ahead)
     tasks = _host_first(tasks, capture)
     streams = tuple(n for n, _ in program.streams) + (HOST,)
-    return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy)
+    return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy,
+                    launches=tuple(program.step))
 
 
 def _host_first(tasks: list[Task], capture: str) -> list[Task]:

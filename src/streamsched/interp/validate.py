@@ -362,6 +362,44 @@ def _cycle_path(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge], src: i
     return None
 
 
+def validate_step(launches) -> tuple[Diagnostic, ...]:
+    """R002 for a step statement ordered `after` a launch that the step issues later, or after
+    itself: a wait binds only to a record issued before it, so that order can never hold (two
+    launches naming each other are the same mistake on the earlier one).  `launches` are the
+    step's statements (dsl.program.Launch, as Schedule.launches holds them); `after prev.G` is
+    always fine.  The fix offered is `after prev.G`, the previous step's launch."""
+    from streamsched.interp.fixes import replace_ref
+
+    def where(ln) -> str:
+        return f"{ln.span.file}:{ln.span.line}" if ln.span is not None else "the step"
+
+    out: list[Diagnostic] = []
+    for li, ln in enumerate(launches):
+        for r in ln.after:
+            if r.prev:
+                continue
+            js = [j for j, other in enumerate(launches) if other.ref == r.graph]
+            if not js or any(j < li for j in js):
+                continue
+            target = launches[js[0]]
+            if js[0] == li:
+                msg = f"dependency cycle: `{ln.text}` ({where(ln)}) is ordered after itself"
+                labels: tuple[Label, ...] = ()
+            else:
+                back = any(not x.prev and x.graph == ln.ref for x in target.after)
+                msg = (f"dependency cycle: `{ln.text}` ({where(ln)}) -[after]-> `{target.text}` ({where(target)}) "
+                       f"-[{'after' if back else 'issued first'}]-> `{ln.text}`")
+                labels = (Label(target.span, "issued here, later in the step" + (f", and ordered after `{ln.text}`"
+                                                                                 if back else "")),) \
+                    if target.span is not None else ()
+            fixes = replace_ref(ln.after_clauses, r.graph, f"prev.{r.graph}")
+            out.append(Diagnostic(
+                "R002", msg, r.span, labels=labels, fixes=fixes,
+                help=f"`after {r.graph}` names a launch the step issues later; write `after prev.{r.graph}` to order "
+                     f"`{ln.text}` after the previous step's `{r.graph}`, or move it below `{target.text}`"))
+    return tuple(out)
+
+
 def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) -> tuple[Diagnostic, ...]:
     """Diagnostics of a schedule before planning.
 
@@ -404,6 +442,13 @@ def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) 
                     notes=tuple(notes),
                 )
             )
+    if schedule.capture == "step":
+        for t in tasks:
+            if t.kernel in SYNC_KERNELS and t.attr("in_step_graph"):
+                diags.append(Diagnostic("C003", "`synchronize` in the step under capture = step: the whole step is "
+                                        "one CUDA graph, which cannot synchronize with the host", t.span,
+                                        help="run with `capture = graphs` (one graph per launch, the host "
+                                             "synchronizes between them), or drop the `synchronize`"))
     if schedule.capture != "none":
         for t in tasks:
             if t.unit < 0 or t.kernel not in SYNC_KERNELS | ALLOC_KERNELS:
