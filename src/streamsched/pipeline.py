@@ -17,6 +17,7 @@ from streamsched.dsl.resolve import resolve
 from streamsched.interp.barriers import Segments, insert_barriers, plan_segments
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import Edge, EventPlan, Schedule
+from streamsched.interp.lifetime import check_lifetimes
 from streamsched.interp.lint import lint_launches, lint_precision, lint_schedule, lint_updates
 from streamsched.interp.opcheck import check_op_bodies
 from streamsched.interp.unroll import default_steps, unroll
@@ -74,6 +75,8 @@ def _plan(program: Program, steps: int) -> "Compiled":
     diags += lint_precision(schedule, program.loss_scale)
     diags += lint_updates(schedule, program.model.params if program.model else ())
     diags += lint_launches(program.graphs, program.step, bool(program.step))
+    inits = tuple(n for n, _ in program.inits)
+    diags += check_lifetimes(schedule, set(inits), after_step=tuple(host_read), at_end=inits)
     plan = None
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)

@@ -16,6 +16,7 @@ from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedE
 from streamsched.dsl import ast as A
 from streamsched.dsl.load import STDLIB_PATH, load_program_files, stdlib_file
 from streamsched.dsl.program import SLOT, AfterRef, GraphInfo, Launch, ModelInfo, Program, TaskTemplate
+from streamsched.interp.fixes import drop_ref
 from streamsched.interp.ir import DTYPE_BYTES, HOST, Buffer, Site, Span
 from streamsched.stdlib.kernel_record import KernelTypeError
 
@@ -115,8 +116,8 @@ class Resolver:
         self.broken_states: set[str] = set()  # `state` declarations that failed (reported once)
 
     # ------------------------------------------------------------------ helpers
-    def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=()) -> None:
-        d = Diagnostic(code, msg, span, help=help, labels=tuple(labels), notes=tuple(notes))
+    def err(self, code: str, msg: str, span: Span | None, help: str = "", labels=(), notes=(), fixes=()) -> None:
+        d = Diagnostic(code, msg, span, help=help, labels=tuple(labels), notes=tuple(notes), fixes=tuple(fixes))
         if d not in self.diags:  # one mistake seen from two places (its definition and a use) once
             self.diags.append(d)
 
@@ -604,6 +605,22 @@ class Resolver:
                               f"`{_shown(into)}`", at)
                 self.buffers[name] = replace(b, alias_of=root_b.name)
 
+    def storage_root(self, name: str) -> str:
+        """The buffer whose storage a (template) name uses: the end of its `into` chain."""
+        b = self.buffers.get(self.slotted(name)[0])
+        seen = set()
+        while b is not None and b.alias_of and b.alias_of not in seen:
+            seen.add(b.alias_of)
+            b = self.buffers.get(b.alias_of)
+        return b.name.split("[")[0] if b is not None else name
+
+    def _note_access(self, t: TaskTemplate, i: int, last_writer: dict, readers: dict) -> None:
+        for r in map(self.storage_root, t.args):
+            readers.setdefault(r, []).append(i)
+        for r in map(self.storage_root, t.outs):
+            last_writer[r] = i
+            readers[r] = []
+
     def has(self, name: str) -> bool:
         return self.slotted(name)[0] in self.buffers
 
@@ -969,21 +986,24 @@ class Resolver:
                         src = self.scaled_backward(st, bwd)
                     base = len(out)
                     derived = isinstance(st, A.BackwardStmt)
+                    # The backward is derived, so nobody can write its `after` clauses: its hazards
+                    # against earlier work of the graph (RAW, and the WAR/WAW an `into` in a backward
+                    # op makes) are ordered for the user under every policy, by storage.
                     last_writer: dict[str, int] = {}
+                    readers: dict[str, list[int]] = {}
                     for i, t in enumerate(out):
-                        for o in t.outs:
-                            last_writer[o] = i
+                        self._note_access(t, i, last_writer, readers)
                     for t in src:
                         after = tuple(a + base for a in t.after)
                         if derived:
-                            # The backward is derived, so nobody can write its `after` clauses: its
-                            # data flow (RAW) is ordered for the user under every policy.
-                            after = tuple(sorted(set(after) | {last_writer[a] for a in t.args if a in last_writer}))
+                            need = {last_writer[r] for r in map(self.storage_root, t.args) if r in last_writer}
+                            for r in map(self.storage_root, t.outs):
+                                need |= set(readers.get(r, ())) | ({last_writer[r]} if r in last_writer else set())
+                            after = tuple(sorted(set(after) | need))
                         site = replace(t.site or Site(), derived=derived)
                         out.append(replace(t, op=t.op + op_base + 1000 * (1 + derived), after=after,
                                            label=f"{g.name.id}: {t.label}", site=site))
-                        for o in t.outs:
-                            last_writer[o] = len(out) - 1
+                        self._note_access(out[-1], len(out) - 1, last_writer, readers)
                 elif isinstance(st, A.ClearStmt):
                     for buf in self.graph_call_targets(st.call, model_name):
                         op = self.ops["clear"]
@@ -1031,8 +1051,18 @@ class Resolver:
         for start, end, st in pending_after:
             for r in st.clauses.after:
                 pos = next((i for i, (nm, a, b) in enumerate(spans_of) if a == start and b == end), len(spans_of))
-                earlier = [sp for sp in spans_of[:pos] if sp[0] == r.text]
-                named = earlier[-1:] or [sp for sp in spans_of[pos + 1:] if sp[0] == r.text][:1]
+                named = [sp for sp in spans_of[:pos] if sp[0] == r.text][-1:]
+                later = [i for i in range(pos, len(spans_of)) if spans_of[i][0] == r.text]
+                if not named and later:
+                    here = f"`{_graph_stmt_name(st)}(...)` ({_at(st.span)})"
+                    there = g.body[later[0]]
+                    self.err("R002", f"dependency cycle: {here} -[after]-> `{r.text}` ({_at(there.span)}) -[issued "
+                             f"first]-> {here}" if later[0] != pos else f"dependency cycle: {here} is ordered after "
+                             "itself", r.span,
+                             labels=[Label(there.span, "issued here, later in the graph")] if later[0] != pos else [],
+                             help=f"`after {r.text}` names a statement the graph issues later; move this statement "
+                                  f"below it, or drop the clause", fixes=drop_ref(st.clauses.after_clauses, r.text))
+                    continue
                 if not named:
                     names = sorted({nm for nm, _, _ in spans_of[:pos]})
                     self.err("S007", f"`after {r.text}`: no statement `{r.text}` in graph `{g.name.id}` before this one",
@@ -1524,6 +1554,10 @@ def _graph_stmt_name(st) -> str:
         return f"upload.{st.name.id}"
     return {A.CopyStmt: "copy", A.ClearStmt: "clear", A.ForwardStmt: "forward", A.BackwardStmt: "backward",
             A.SyncStmt: "synchronize", A.AllocStmt: "alloc"}.get(type(st), "")
+
+
+def _at(span: Span | None) -> str:
+    return f"{span.file}:{span.line}" if span is not None else "?"
 
 
 def _shown(name: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from streamsched.diagnostics import Diagnostic
 from streamsched.dsl import ast as A
-from streamsched.interp.ir import HOST, Buffer, Schedule, Task, Unit
+from streamsched.interp.ir import HOST, Buffer, Schedule, Site, Task, Unit
 from streamsched.interp.memory import plan_memory
 
 
@@ -61,8 +61,10 @@ def op_schedule(op: A.OpDef, stream_of, policy: str) -> Schedule | None:
                     alias = buffers[alias].alias_of
             outs.append(buf(t.id, alias) if t.id not in op.params or alias else t.id)
         after = tuple(index[r.text] for r in st.clauses.after if r.text in index)
+        site = Site(op=st.targets[0].id, op_tail=st.clauses.tail, into_span=st.clauses.into_span,
+                    op_afters=st.clauses.after_clauses)
         tasks.append(Task(len(tasks), "op", stream, args, tuple(outs), (), after, 0, 0, rep, 0, "", str(len(tasks)),
-                          f"{op.name}.{st.targets[0].id}", st.targets[0].id, st.span))
+                          f"{op.name}.{st.targets[0].id}", st.targets[0].id, st.span, site=site))
     if len(streams) < 2:
         return None
     units = (Unit(0, op.name, op.name, rep, "", 0, op.span),)

@@ -1,10 +1,22 @@
 """The one way a race is reported, shared by the static checker and the CPU backend's run-time
-detector, so both name the same buffer, tasks, streams and source lines."""
+detector, so both name the same buffer, tasks, streams and source lines, and suggest the same
+fix: an `after` clause written where it is valid (LANGUAGE.md, "Barrier policies"):
+
+    same op call, two statements of a user op body   -> `after STMT` on the later statement
+    two model lines of one forward                    -> `after VALUE` on the later model line
+    two statements of one graph body                  -> `after NAME` on the later call statement
+    two step statements (or one in consecutive steps) -> `after [prev.]G` on the later statement
+
+Derived backward work is ordered for the user by its own hazards, so a race never needs an
+`after` on it; where no statement can take the clause (inside a stdlib op, a `forward` line),
+the help says so instead of suggesting syntax that would not parse or would name nothing.
+"""
 
 from __future__ import annotations
 
-from streamsched.diagnostics import Diagnostic, Label
-from streamsched.interp.ir import Schedule, Task
+from streamsched.diagnostics import Diagnostic, Fix, Label
+from streamsched.interp.fixes import insert_after
+from streamsched.interp.ir import Schedule, Site, Task
 
 
 def _access(task: Task, buffer: str) -> str:
@@ -13,16 +25,59 @@ def _access(task: Task, buffer: str) -> str:
     return "reads"
 
 
-def _graph_of(task: Task) -> str:
-    """The graph a task was launched from (labels read `GRAPH[slot]: ...`), or ""."""
-    head, sep, _ = task.label.partition(":")
-    return head.split("[")[0].strip() if sep else ""
+def suggest_order(schedule: Schedule, first: Task, second: Task) -> tuple[str, tuple[Fix, ...], tuple[Label, ...]]:
+    """(help, fixes, labels) ordering `second` after `first` (issued earlier) where an `after`
+    can be written: the innermost scope both belong to (module docstring).  The fixes are empty
+    when no statement can take the clause; the help then says what can be done instead."""
+    s1, s2 = first.site or Site(), second.site or Site()
+    same_launch = first.launch == second.launch and first.step == second.step
+    # 1. two statements of one call of a user op
+    if (same_launch and first.op == second.op and first.op >= 0 and s1.op and s2.op and s2.op_tail is not None
+            and s1.op != s2.op):
+        return (f"add `after {s1.op}` to the statement `{s2.op}` (the op body's order: `{s2.op} = ... after {s1.op}`)",
+                (insert_after(s2.op_tail, s1.op),), ())
+    # 2. two lines of the model's forward
+    if (same_launch and s1.gstmt == s2.gstmt and s1.line and s2.line and not s1.derived and not s2.derived
+            and s2.line_tail is not None):
+        if s1.line != s2.line:
+            return (f"add `after {s1.line}` to the model line `{s2.line} = ...`",
+                    (insert_after(s2.line_tail, s1.line),), ())
+        if not s2.op:
+            return (f"both accesses are inside one call of a stdlib op (`{s2.line} = ...`), which orders its own work "
+                    "under every policy: this is a bug in streamsched; `barriers auto` avoids it", (), ())
+    # 3. two statements of one graph body
+    if same_launch and s1.gstmt != s2.gstmt and s1.gstmt >= 0 and s2.gstmt >= 0:
+        if s2.gtail is not None and s1.gname:
+            return (f"add `after {s1.gname}` to the graph statement `{s2.gname}(...)`",
+                    (insert_after(s2.gtail, s1.gname),), ())
+        return (f"the graph statement `{s2.gname or 'this one'}` takes no `after`: launch `{s1.gname}` and "
+                f"`{s2.gname}` from separate graphs and order the launches in the step, or use `barriers auto`",
+                (), ())
+    # 4. two step statements
+    launches = schedule.launches
+    if 0 <= first.launch < len(launches) and 0 <= second.launch < len(launches) and not same_launch:
+        l1, l2 = launches[first.launch], launches[second.launch]
+        prev = "prev." if first.step < second.step else ""
+        if l1.ref and l1.kind != "sync" and l2.tail is not None:
+            ref = f"{prev}{l1.ref}"
+            labels = (Label(l2.span, f"add `after {ref}` here"),) if l2.span is not None else ()
+            far = (" (the two are more than one step apart: order them through the launches between)"
+                   if first.step >= 0 and second.step - first.step > 1 else "")
+            written = [("prev." if a.prev else "") + a.graph for a in l2.after]
+            return (f"order the launches in the step: `{l2.text} after {', '.join(written + [ref])}`{far}",
+                    (insert_after(l2.tail, ref),), labels)
+    if first.stmt and first.site is None and second.site is None:
+        # a schedule built through the API, with no source to edit: name the clause only
+        return f"add `after {first.stmt}` to the later statement", (), ()
+    return (f"order `{second.label or second.kernel}` after `{first.label or first.kernel}` (no statement of the "
+            "file can take that `after`; `barriers auto` orders it)"), (), ()
 
 
 def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) -> Diagnostic:
     """R001: `first` (issued earlier) and `second` touch overlapping bytes of `buffer`, at least
     one writes, they run on different streams and no happens-before path orders them.
-    The primary span is the later task; the help suggests the `after` clause that fixes it."""
+    The primary span is the later task; the help (and its fix) orders it after the first where
+    an `after` is valid (`suggest_order`); for two launches a label marks the step statement."""
     a1, a2 = _access(first, buffer), _access(second, buffer)
     kind = {("writes", "reads"): "RAW", ("reads", "writes"): "WAR", ("writes", "writes"): "WAW"}[(a1, a2)]
     labels = []
@@ -32,12 +87,8 @@ def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) 
         f"race on buffer `{buffer}` ({kind}): `{second.label or second.kernel}` on {second.stream} "
         f"is not ordered after `{first.label or first.kernel}` on {first.stream}"
     )
-    help_ = f"add `after {first.stmt}` to the later statement" if first.stmt else "order the two tasks with an `after` clause"
-    g1, g2 = _graph_of(first), _graph_of(second)
-    if g1 and g2 and g1 != g2:
-        prev = "prev." if first.step < second.step else ""
-        later = f"upload {g2[7:]} on {second.stream}" if g2.startswith("upload.") else g2
-        help_ = f"order the launches in the step: `{later} after {prev}{g1}`"
+    help_, fixes, more = suggest_order(schedule, first, second)
+    labels.extend(more)
     return Diagnostic(
         "R001",
         msg,
@@ -45,4 +96,5 @@ def race_diagnostic(schedule: Schedule, first: Task, second: Task, buffer: str) 
         help=help_,
         labels=tuple(labels),
         notes=(f"{second.label or second.kernel} {a2} `{buffer}` on {second.stream}",),
+        fixes=fixes,
     )

@@ -23,6 +23,7 @@ not covered by the clock are a suffix), so a race-free plan is checked in near-l
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from collections import defaultdict, deque
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ from dataclasses import dataclass, replace
 from streamsched.diagnostics import Diagnostic, InternalError, Label
 from streamsched.interp.dependencies import alias_roots, report_name, task_accesses
 from streamsched.interp.ir import Edge, EventPlan, Schedule, Task
+from streamsched.interp.fixes import drop_ref
 from streamsched.interp.races import race_diagnostic
 
 Lane = tuple[str, int]
@@ -247,7 +249,7 @@ def _race_diagnostics(sched: Schedule, races: tuple[Race, ...]) -> list[Diagnost
         if a.span is not None and b.span is not None:
             # The same two source lines racing in every unrolled step, slot or op call are one
             # mistake to fix: report it once.
-            key = (a.span, b.span, a.stream, b.stream, r.first_writes, r.second_writes)
+            key = (a.span, b.span, a.stream, b.stream, r.first_writes, r.second_writes, _base(r.buffer))
         else:
             key = (r.first, r.second)
         groups.setdefault(key, []).append(r)
@@ -267,12 +269,19 @@ def _race_diagnostics(sched: Schedule, races: tuple[Race, ...]) -> list[Diagnost
     return out
 
 
+def _base(buffer: str) -> str:
+    """`x[a]` and `x[b]` are one buffer to the user: repeats of a race in the other slot merge."""
+    return re.sub(r"\[[A-Za-z_][A-Za-z0-9_]*\]", "", buffer)
+
+
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
     """Drop repeats of a finding at the same source position (unrolled steps repeat work);
-    findings without a position are all kept."""
+    findings without a position are all kept, and so are races, which `_race_diagnostics` has
+    already merged per source lines, buffer and kind (two races at one position on different
+    buffers or of different kinds are two findings)."""
     seen, out = set(), []
     for d in diags:
-        if d.span is not None:
+        if d.span is not None and d.code != "R001":
             key = (d.code, d.span, tuple(l.span for l in d.labels))
             if key in seen:
                 continue
@@ -393,10 +402,11 @@ def validate_step(launches) -> tuple[Diagnostic, ...]:
                                                                                  if back else "")),) \
                     if target.span is not None else ()
             fixes = replace_ref(ln.after_clauses, r.graph, f"prev.{r.graph}")
+            move = f", or move it below `{target.text}`" if js[0] != li else ""
             out.append(Diagnostic(
                 "R002", msg, r.span, labels=labels, fixes=fixes,
-                help=f"`after {r.graph}` names a launch the step issues later; write `after prev.{r.graph}` to order "
-                     f"`{ln.text}` after the previous step's `{r.graph}`, or move it below `{target.text}`"))
+                help=f"`after {r.graph}` names {'this very launch' if js[0] == li else 'a launch the step issues later'}; "
+                     f"write `after prev.{r.graph}` to order `{ln.text}` after the previous step's `{r.graph}`{move}"))
     return tuple(out)
 
 
@@ -432,14 +442,17 @@ def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) 
                 notes.append(f"`{task_name(tasks[u])}` ({_where(tasks[u])}) -> `{task_name(tasks[v])}` ({_where(tasks[v])}): {desc}")
                 if tasks[v].span is not None and v != t.id:
                     labels.append(Label(tasks[v].span, f"must run after `{task_name(tasks[u])}` ({desc})"))
+            ref = (target.site.op if target.site is not None and target.site.op else target.stmt) or task_name(target)
+            fixes = drop_ref(t.site.op_afters, ref) if t.site is not None else ()
             diags.append(
                 Diagnostic(
                     "R002",
                     "dependency cycle: " + " ".join(parts),
                     t.span,
-                    help=f"`after {target.stmt or task_name(target)}` names work issued later; reorder the statements or drop the clause",
+                    help=f"`after {ref}` names work issued later; reorder the statements or drop the clause",
                     labels=tuple(labels),
                     notes=tuple(notes),
+                    fixes=fixes,
                 )
             )
     if schedule.capture == "step":

@@ -32,7 +32,11 @@ class Kernel:
     results into the preallocated NumPy arrays `outs` (an out may be the very array of an input:
     in-place updates must stay correct); cuda: "module:function" of the CUDA twin, imported only
     by the CUDA backend; host: runs on the host stream (staging writes), filled by the training
-    loop; capturable: False for work a CUDA graph cannot hold (synchronize, allocation).
+    loop; capturable: False for work a CUDA graph cannot hold (synchronize, allocation);
+    inplace: an output may be the very storage of an input of its own shape and dtype (each
+    element is read before it is written, on every backend); False for kernels that read other
+    elements than the one they write (GEMMs, reductions, convolutions, pooling, softmax, batch
+    statistics), whose outputs may overlap no input at all (the checker's R005 enforces both).
     """
 
     name: str
@@ -45,3 +49,4 @@ class Kernel:
     host: bool = False
     capturable: bool = True
     doc: str = ""
+    inplace: bool = True

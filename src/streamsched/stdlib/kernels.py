@@ -139,7 +139,7 @@ def _type_attrs(k: str, attrs: dict) -> TensorType:
 
 def _register(name: str, inputs: str, outputs: str, infer: Callable, cpu: Callable | None,
               attrs: dict[str, Any] | None = None, *, doc: str, host: bool = False,
-              capturable: bool = True) -> None:
+              capturable: bool = True, inplace: bool = True) -> None:
     ins = tuple(inputs.split())
     outs = tuple(outputs.split())
     defaults = dict(attrs or {})
@@ -167,7 +167,7 @@ def _register(name: str, inputs: str, outputs: str, infer: Callable, cpu: Callab
 
     KERNELS[name] = Kernel(name=name, inputs=ins, outputs=outs, infer=checked_infer, cpu=run,
                            attrs=defaults, cuda=f"streamsched.stdlib.cuda_kernels:{name}",
-                           host=host, capturable=capturable, doc=doc.strip())
+                           host=host, capturable=capturable, doc=doc.strip(), inplace=inplace)
 
 
 def _acc(x: np.ndarray) -> np.ndarray:
@@ -771,4 +771,14 @@ def infer_types(name: str, in_types: Sequence[TensorType],
     raises KernelTypeError (S003 shapes/arity/attributes, S004 dtypes)."""
     return kernel(name).infer(in_types, attrs or {})
 
+from dataclasses import replace as _dc_replace  # noqa: E402
 import streamsched.stdlib.kernels_cnn  # noqa: E402,F401  (registers the CNN, batch-norm, dropout and AMP kernels)
+
+# Kernels that read other elements than the one they write: none of their outputs may share
+# storage with an input (Kernel.inplace; the CUDA twins of the convolutions and pools refuse
+# overlap outright, cuBLAS gives wrong results when C aliases A or B).
+NOT_IN_PLACE = ("matmul", "sum", "mean", "conv2d", "conv2d_grad_x", "conv2d_grad_w", "sum_nhw", "maxpool2d",
+                "maxpool2d_grad", "avgpool2d", "avgpool2d_grad", "global_avgpool", "global_avgpool_grad",
+                "batchnorm_train", "batchnorm_grad", "softmax_xent", "softmax_xent_grad")
+for _name in NOT_IN_PLACE:
+    KERNELS[_name] = _dc_replace(KERNELS[_name], inplace=False)
