@@ -1616,7 +1616,8 @@ def check_ops(res: Resolver) -> None:
                 for n in _expr_names(st.expr):
                     if n not in defined and n not in {p.name.id for p in op.params}:
                         res.err("S007", f"unknown buffer `{n}` in op `{op.name}`", _find_var(st.expr, n) or st.span)
-                if st.clauses.into is not None and st.clauses.into.id not in defined:
+                if st.clauses.into is not None and st.clauses.into.id not in defined and \
+                        st.clauses.into.id not in {t.id for t in st.targets}:  # (that one is S015)
                     res.err("S007", f"unknown buffer `{st.clauses.into.id}` in `into`", st.clauses.into.span,
                             help="`into` names a parameter or an earlier result of the same op")
                 for t in st.targets:
