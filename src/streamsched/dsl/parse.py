@@ -47,6 +47,7 @@ class _ToAst(Transformer):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
+        self.diags: list[Diagnostic] = []  # mistakes the grammar lets through (a clause given twice)
 
     def _sp(self, meta) -> Span | None:
         if getattr(meta, "empty", True):
@@ -152,6 +153,11 @@ class _ToAst(Transformer):
         after: tuple = ()
         after_clauses: tuple = ()
         for kind, v, sp in items:
+            if kind in ("on", "into") and (on if kind == "on" else into) is not None:
+                first = on if kind == "on" else into
+                self.diags.append(Diagnostic(
+                    "P006", f"`{kind}` is given twice in one statement (`{kind} {first.id}` and `{kind} {v.id}`)", sp,
+                    help=f"keep one `{kind}` clause: a statement runs on one stream and reuses at most one buffer"))
             if kind == "on":
                 on = v
             elif kind == "into":
@@ -513,7 +519,7 @@ def parse(text: str, path: str = "<string>") -> A.File:
 
     Raises StreamschedError with one P-family diagnostic (P001 unexpected end of file,
     P002 unexpected token, P003 unexpected character, P004 expression nested too deeply) on a
-    syntax error.
+    syntax error, and P006 for each `on` or `into` clause given twice in one statement.
     """
     try:
         tree = _parser().parse(text)
@@ -525,11 +531,14 @@ def parse(text: str, path: str = "<string>") -> A.File:
     if depth > MAX_NESTING:
         raise _nesting_error(span or _deepest_line(text, path))
     try:
-        items = _ToAst(path).transform(tree)
+        builder = _ToAst(path)
+        items = builder.transform(tree)
     except RecursionError:  # a backstop: the check above keeps the recursion far from the limit
         raise _nesting_error(span or _deepest_line(text, path)) from None
     except VisitError as exc:  # lark wraps what a callback raises
         if isinstance(exc.orig_exc, RecursionError):
             raise _nesting_error(span or _deepest_line(text, path)) from None
         raise
+    if builder.diags:
+        raise StreamschedError(builder.diags)
     return A.File(path, items)

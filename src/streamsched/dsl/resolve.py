@@ -1333,6 +1333,10 @@ class Resolver:
                         self.fail("S008", f"`after {r.text}`: {what}", r.span,
                                   help="`after` in the step names another statement of the step: "
                                        + ", ".join(f"`{n}`" for n in sorted(launched)))
+                if clauses is not None and isinstance(st, A.UploadStmt) and clauses.into is not None:
+                    self.fail("S015", f"`into` on an upload: `upload {st.name.id}` writes the device scalar "
+                              f"`{st.name.id}`", clauses.into_span or clauses.into.span,
+                              help=f"drop `into {clauses.into.id}`")
                 if clauses is not None and isinstance(st, A.LaunchStmt) and (clauses.on or clauses.into):
                     bad = clauses.on or clauses.into
                     kw = "on" if clauses.on else "into"
