@@ -34,6 +34,7 @@ def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]
     overwrites are expected.  One diagnostic per source position and buffer.
     """
     roots = _roots(schedule)
+    host_read = {roots.get(n, n) for n in host_read}  # the loss may live in another value's storage
     written: set[str] = {roots.get(n, n) for n in initialized}
     read_anywhere = {roots.get(a, a) for t in schedule.tasks for a in t.args}
     pending: dict[str, Task] = {}  # root -> last writer whose value no one has read yet
