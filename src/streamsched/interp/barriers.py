@@ -398,12 +398,18 @@ class _Planner:
         of one period is kept and `steady_period` says None."""
         steps, period = self.s.steps, max(1, self.s.period)
         fallback = None
+        self.steady, self.analysis = -1, None
         for m in range(period, min(steps, STEADY_PERIODS * period + 1), period):
             built = self._build(self._closure(m))
-            if _replay_ok(EventPlan(self.s, built[0], built[1], self.policy), m):
+            ok, kept = _replay_check(EventPlan(self.s, built[0], built[1], self.policy), m)
+            if ok:
+                # the smallest period tried first: steady_period would find this very m
+                self.steady = m if m == period else -1
+                self.analysis = kept
                 return built
             if fallback is None:
                 fallback = built
+                self.analysis = kept
         return fallback if fallback is not None else self._build(self._closure(period))
 
     def _closure(self, m: int) -> set[int]:
@@ -494,7 +500,7 @@ def insert_barriers(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge], po
     else:
         p.plan_captured()
     instrs, n = p.assemble()
-    return EventPlan(schedule, instrs, n, policy)
+    return EventPlan(schedule, instrs, n, policy, steady=p.steady, analysis=p.analysis)
 
 
 def plan_segment(plan: EventPlan, step: int) -> tuple[Instr, ...]:
@@ -558,17 +564,30 @@ def _replay_ok(plan: EventPlan, m: int, copies: int = 2) -> bool:
     """Whether issuing the last m steps again, twice, is sound: every wait of a copy binds to a
     record issued before it, every `after` of a copy is ordered, and no task of a copy races
     (a plan that races already has no steady state to run).  Checked with the exact race
-    analysis of validate.py, looking for races from the copies' tasks only."""
+    analysis of validate.py."""
+    return _replay_check(plan, m, copies)[0]
+
+
+def _replay_check(plan: EventPlan, m: int, copies: int = 2):
+    """(`_replay_ok`, what validate_plan may reuse): one walk over the plan and its replays that
+    stops at the first race of a replay; its part over the plan itself is complete, kept as
+    (analysis, tasks, instructions, units of the plan) for EventPlan.analysis (None when the
+    tasks have no keys and nothing was walked)."""
+    from streamsched.interp.dependencies import alias_roots, task_accesses
     from streamsched.interp.validate import analyse_plan  # validate does not import barriers
 
     built = _replayed(plan, m, copies)
     if built is None:
-        return False
-    ext, _ = built
-    n = len(plan.schedule.tasks)
-    an = analyse_plan(ext, races_from=n, first_race=True)
-    return not an.races and not any(w.index >= len(plan.instrs) for w in an.waits) \
+        return False, None
+    ext, origin = built
+    s = plan.schedule
+    n = len(s.tasks)
+    acc = task_accesses(s)
+    ext_acc = acc + tuple(acc[origin[i][0]] for i in range(n, len(ext.schedule.tasks)))
+    an = analyse_plan(ext, stop_from=n, accesses=ext_acc, roots=alias_roots(s))
+    ok = not any(r.second >= n for r in an.races) and not any(w.index >= len(plan.instrs) for w in an.waits) \
         and not any(v >= n for _, v in an.unordered_after)
+    return ok, (an, n, len(plan.instrs), len(s.units), plan.instrs, s)
 
 
 STEADY_PERIODS = 2
@@ -581,6 +600,9 @@ def steady_period(plan: EventPlan) -> int | None:
     issues of them bind every wait, order every `after` and race nowhere).  m can exceed the slot
     period (a wait every other step is a pattern of period 2).  None when no such m exists
     (unroll more steps; a plan with races never has one) or when tasks have no keys."""
+    kept = plan.analysis
+    if plan.steady != -1 and kept is not None and kept[4] is plan.instrs and kept[5] is plan.schedule:
+        return plan.steady  # what insert_barriers found for this very plan
     period = max(1, plan.schedule.period)
     for m in range(period, min(plan.schedule.steps, STEADY_PERIODS * period + 1), period):
         if _replay_ok(plan, m):

@@ -27,7 +27,12 @@ KIND_ORDER = {"RAW": 0, "WAR": 1, "WAW": 2, "AFTER": 3}
 
 def alias_roots(schedule: Schedule) -> dict[str, str]:
     """Buffer name -> the name at the end of its `alias_of` chain (itself when it aliases
-    nothing).  A broken or cyclic chain stops at the last buffer it reached."""
+    nothing).  A broken or cyclic chain stops at the last buffer it reached.  Computed once per
+    schedule; callers must not mutate the returned dict."""
+    return _cached("roots", schedule, _alias_roots)
+
+
+def _alias_roots(schedule: Schedule) -> dict[str, str]:
     bufs = schedule.buffer_map()
     roots: dict[str, str] = {}
     for b in schedule.buffers:
@@ -58,6 +63,12 @@ def _extent(b: Buffer, bufs: dict[str, Buffer]) -> tuple[str, int, int] | tuple[
 
 
 def storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """Buffer name -> ids of the elementary storage segments it covers (`_storage_segments`);
+    computed once per schedule.  Callers must not mutate the returned dict."""
+    return _cached("segments", schedule, _storage_segments)
+
+
+def _storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
     """Buffer name -> ids of the elementary storage segments it covers.
 
     Two buffers share a segment iff `Buffer.overlaps` says they overlap (same space, intersecting
@@ -97,9 +108,31 @@ def storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
     return out
 
 
+_CACHE: dict[tuple[str, int], tuple[object, object]] = {}
+
+
+def _cached(kind: str, schedule: Schedule, make):
+    """`make(schedule)`, computed once per schedule object (every pass after unroll asks for
+    the same segments and accesses; a schedule is frozen, so its answer never changes).  Keyed by
+    identity, with the schedule kept alive beside its answer; the cache holds the last few."""
+    key = (kind, id(schedule))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    value = make(schedule)
+    if len(_CACHE) > 16:
+        _CACHE.clear()
+    _CACHE[key] = (schedule, value)
+    return value
+
+
 def task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
     """Per task (indexed by task id): its accesses sorted by segment, one per segment, with the
     first name it reads and the first name it writes there ("" for none)."""
+    return _cached("accesses", schedule, _task_accesses)
+
+
+def _task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
     segs = storage_segments(schedule)
     extra: dict[str, tuple[int, ...]] = {}
     nxt = 1 + max((s for t in segs.values() for s in t), default=-1)

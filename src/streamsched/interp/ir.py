@@ -241,6 +241,13 @@ class EventPlan:
     instrs: tuple[Instr, ...]
     num_events: int
     policy: str = "auto"
+    steady: int | None = field(default=-1, compare=False, repr=False)
+    """The steady period insert_barriers found (barriers.steady_period), None for none, -1 when
+    unknown (a plan built or edited by hand: computed when asked)."""
+    analysis: Any = field(default=None, compare=False, repr=False)
+    """validate.analyse_plan of this plan followed by two replays of its steady steps, kept by
+    insert_barriers so validate_plan need not walk the plan again (None: walk it).  Both caches
+    name the instrs and schedule they belong to, so a plan edited with `replace` ignores them."""
 
     def per_stream(self) -> dict[str, list[Instr]]:
         out: dict[str, list[Instr]] = {s: [] for s in self.schedule.streams}

@@ -101,20 +101,26 @@ class PlanAnalysis:
     insert_barriers honour them all; a plan edited by hand may not)."""
 
 
-def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False) -> PlanAnalysis:
+def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False, *,
+                 stop_from: int | None = None, accesses=None, roots=None) -> PlanAnalysis:
     """Walk `plan.instrs` once with vector clocks (module docstring) and return every race, every
     wait that binds to no usable record and every unjoined capture unit.
 
     races_from: only races whose later task has an id >= races_from are looked for;
-    first_race: stop the walk at the first race found (the rest of the analysis is then partial).
+    first_race: stop the walk at the first race found (the rest of the analysis is then partial);
+    stop_from: stop at the first race whose later task has an id >= stop_from (what comes before
+    that task's launch is then complete: the replay check of barriers.py shares one walk with
+    validate_plan that way); accesses / roots: `task_accesses` / `alias_roots` of the schedule,
+    when the caller has them (a replayed schedule's are its original's, repeated).
 
     Raises InternalError (a broken plan, never a user mistake) when a task is not launched
     exactly once."""
     sched = plan.schedule
     tasks = sched.tasks
     capture = sched.capture
-    acc = task_accesses(sched)
-    roots = alias_roots(sched)
+    acc = accesses if accesses is not None else task_accesses(sched)
+    roots = roots if roots is not None else alias_roots(sched)
+    stopped = False
 
     first_record: dict[int, int] = {}
     for i, ins in enumerate(plan.instrs):
@@ -150,6 +156,7 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False)
                 if lu is None or (lu != lane and c.get(lu, 0) < pu):
                     unordered_after.append((u, v))
             loc[v] = (lane, p)
+            raced = False
             for seg, rname, wname in acc[v]:
                 vw = bool(wname)
                 vname = wname or rname
@@ -160,6 +167,7 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False)
                     for u, uw, uname in es[bisect_right(ps, c.get(other, 0)):]:
                         if (u, v) not in races:
                             races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                            raced = True
                 entry = (v, vw, vname)
                 ps, es = seg_all[seg].setdefault(lane, ([], []))
                 ps.append(p)
@@ -174,6 +182,10 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False)
                 unit_last[lane[1]][lane] = (p, v)
                 unit_tasks[lane[1]].append(v)
             if first_race and races:
+                stopped = True
+                break
+            if stop_from is not None and v >= stop_from and raced:
+                stopped = True
                 break
         elif ins.op == "record":
             lane = lane_of(capture, ins.stream, ins.unit)
@@ -219,7 +231,7 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False)
                 clock.pop(lane, None)
             clock.pop(home, None)
     missing = [t.id for t in tasks if t.id not in loc]
-    if missing and not (first_race and races):
+    if missing and not stopped:
         raise InternalError(f"insert_barriers: tasks {missing[:5]} are never launched")
     return PlanAnalysis(
         tuple(sorted(races.values(), key=lambda r: (r.second, r.first))),
@@ -290,6 +302,22 @@ def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
     return out
 
 
+def _own_analysis(plan: EventPlan) -> PlanAnalysis:
+    """The analysis of the plan itself: the part of insert_barriers' replay walk that covers the
+    plan's own instructions (a walk is causal: what follows changes nothing before it), else a
+    walk of its own."""
+    kept = plan.analysis
+    if kept is None or kept[4] is not plan.instrs or kept[5] is not plan.schedule:
+        return analyse_plan(plan)  # (none kept, or the plan was edited: `replace` copies the field)
+    an, n_tasks, n_instrs, n_units = kept[:4]
+    return PlanAnalysis(
+        tuple(r for r in an.races if r.second < n_tasks),
+        tuple(w for w in an.waits if w.index < n_instrs),
+        tuple(u for u in an.unjoined if u.unit < n_units),
+        tuple((u, v) for u, v in an.unordered_after if v < n_tasks),
+    )
+
+
 def validate_plan(plan: EventPlan, edges: tuple[Edge, ...] | list[Edge] = ()) -> tuple[Diagnostic, ...]:
     """Diagnostics of an EventPlan: R003 for each wait that binds to no record issued before it
     (never recorded, recorded only later, or recorded outside the wait's capture unit), R004
@@ -303,7 +331,7 @@ def validate_plan(plan: EventPlan, edges: tuple[Edge, ...] | list[Edge] = ()) ->
     hold on to" and CUDA's cudaStreamWaitEvent rule (a wait binds to the latest record issued
     before it; none means it waits for nothing)."""
     sched = plan.schedule
-    an = analyse_plan(plan)
+    an = _own_analysis(plan)
     units = {u.id: u for u in sched.units}
     diags: list[Diagnostic] = []
     for w in an.waits:
