@@ -102,9 +102,14 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
         raise fail(e.strerror or str(e), "name a file in an existing folder you can write to") from None
     if st is not None and stat.S_ISLNK(st.st_mode):
         target = os.path.realpath(full)
+        try:  # suggest the target only where it could be written in the link's place
+            check_output(target, kind, noun=noun, origin=origin, span=span, inputs=inputs, append=append,
+                         replaceable=replaceable)
+            fix = f"name the file itself (`{target}`) or a new file"
+        except StreamschedError:
+            fix = "name a new file"
         raise fail(f"it is a symbolic link (to `{target}`); streamsched does not write through links, so that "
-                   "a file the command line does not name is never replaced or grown",
-                   f"name the file itself (`{target}`) or a new file")
+                   "a file the command line does not name is never replaced or grown", fix)
     if st is not None and stat.S_ISDIR(st.st_mode):
         example = os.path.join(path, {"checkpoint": "run.npz", "log": "run.jsonl"}.get(kind, "out.txt"))
         raise fail("it is a folder", f"name a file in it, e.g. `{example}`")

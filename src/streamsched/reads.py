@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import stat
+import struct
 import zipfile
 import zlib
 from typing import BinaryIO
@@ -198,8 +199,9 @@ def read_npz(path: str, limit: int, keys: tuple[str, ...] | None = None,
     with os.fdopen(fd, "rb") as f:
         try:
             zf = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
-            raise ReadError("corrupt", f"is not a readable .npz archive ({e})") from None
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+                RuntimeError, KeyError, UnicodeDecodeError, struct.error) as e:  # what a broken archive raises
+            raise ReadError("corrupt", f"is not a readable .npz archive ({e or type(e).__name__})") from None
         with zf:
             infos: dict[str, zipfile.ZipInfo] = {}
             for info in zf.infolist():
@@ -228,10 +230,12 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> np.nda
     fmt = np.lib.format
     try:
         with zf.open(info) as m:
-            try:
-                version = fmt.read_magic(m)
-            except ValueError:
-                raise ReadError("corrupt", f"member `{key}` is not a NumPy .npy array") from None
+            magic = read_exactly(m, len(fmt.MAGIC_PREFIX) + 2)
+            if not magic.startswith(fmt.MAGIC_PREFIX) or len(magic) < len(fmt.MAGIC_PREFIX) + 2:
+                if magic[:1] == b"\x80":  # a pickle's PROTO opcode
+                    raise ReadError("pickle", f"member `{key}` holds pickled data, not a NumPy .npy array")
+                raise ReadError("corrupt", f"member `{key}` is not a NumPy .npy array")
+            version = (magic[-2], magic[-1])
             try:
                 if version == (1, 0):
                     shape, fortran, dtype = fmt.read_array_header_1_0(m)
@@ -267,5 +271,5 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> np.nda
     except ReadError:
         raise
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, RuntimeError, NotImplementedError,
-            OverflowError, MemoryError) as e:
+            OverflowError, MemoryError, KeyError, UnicodeDecodeError, struct.error) as e:
         raise ReadError("corrupt", f"member `{key}` cannot be read ({e or type(e).__name__})") from None

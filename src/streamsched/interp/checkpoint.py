@@ -251,7 +251,8 @@ def written_by_us(path: str) -> tuple[bool, str]:
     (format 1).  Returns (yes, what it is otherwise, as a phrase)."""
     kind = archive_kind(path)
     if kind != "npz":
-        return False, "a single .npy array" if kind == "npy" else kind.removeprefix("it ")
+        return False, {"npy": "a single .npy array", "it is empty": "an empty file", "it holds text": "a text file",
+                       }.get(kind, "a binary file")
     try:
         names, arrays = read_npz(path, META_LIMIT, (META_KEY,), {META_KEY: META_LIMIT})
         meta = json.loads(np.ascontiguousarray(arrays[META_KEY]).tobytes().decode("utf-8"))

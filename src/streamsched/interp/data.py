@@ -326,7 +326,10 @@ def parse_idx(raw: bytes, name: str = "<bytes>", span: Span | None = None) -> np
         what = "truncated" if got < expected else "longer than its header says"
         raise _err("X003", f"`{name}` is {what}: shape {shape} needs {expected} data bytes, found {got}",
                    span, help=help_)
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    try:
+        return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    except ValueError as e:  # an empty shape whose other dimensions NumPy cannot index: (0, 3e9, 3e9)
+        raise _err("X003", f"`{name}` has a shape NumPy cannot hold, {shape}: {e}", span, help=help_) from None
 
 
 def _read_idx(directory: str, key: str, span: Span | None, budget: _Budget) -> np.ndarray:
@@ -412,11 +415,10 @@ def check_finite(x: np.ndarray, what: str, span: Span | None) -> None:
         return
     idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad.reshape(-1))), x.shape))
     v = x[idx]
-    why = (f"holds {float(v)!r}" if not np.isfinite(v) else
-           f"holds {float(v):.6g}, beyond f32's range (largest finite {_F32_MAX:.6g}), which would be inf in training")
+    why = "" if not np.isfinite(v) else f", beyond f32's range (+-{_F32_MAX:.6g}): it would be inf in training"
     n_bad = int(bad.sum())
-    raise _err("X003", f"{what} {why} at index [{', '.join(map(str, idx))}] (sample {idx[0]}); "
-               f"{n_bad} value{'s' if n_bad != 1 else ''} in all are not finite numbers", span,
+    raise _err("X003", f"{what} holds {float(v):.6g} at index [{', '.join(map(str, idx))}] (sample {idx[0]}){why}; "
+               f"{n_bad} value{'s are' if n_bad != 1 else ' is'} not a finite f32 number in all", span,
                help="clean the data (every feature must be a finite number in f32's range), e.g. with "
                     "np.nan_to_num or by dropping those samples, then save it again")
 

@@ -591,6 +591,7 @@ class _Run:
         the checkpoint was planned with, that plan continued by absolute step."""
         lname, largs, lkw, span = self.lr_request()
         sched = make_schedule(lname, largs, lkw, total, span, clip_warmup=True)
+        self.lr_continues = False
         self.lr_requested = (f"--lr {self.opts.lr:g}" if self.opts.lr is not None else
                              str(make_schedule(lname, largs, lkw, 10 ** 12, span)))
         if self.resumed is not None:
@@ -599,6 +600,7 @@ class _Run:
                 self.resumed.meta["lr"].get("requested") == self.lr_requested
             if old is not None and same:
                 sched = old.continued(self.resumed.step, total)
+                self.lr_continues = total != old.total_steps
         if sched.warmup_clipped_from is not None and not (self.resumed and sched.resume):
             self.echo(f"note: the warmup of {sched.warmup_clipped_from} steps is longer than this run "
                       f"({total} steps); it is clipped to {total} steps")
@@ -639,7 +641,7 @@ class _Run:
             msg += "; changed since it was written: " + ", ".join(changed)
         self.echo(msg)
         s = self.lr_sched
-        if s.resume is not None:
+        if self.lr_continues and self.start_epoch < self.epochs:
             self.echo(f"note: the learning rate continues from step {r.step} ({s(r.step):.6g}) and now decays "
                       f"until step {total}, the end of this run")
         if self.start_epoch >= self.epochs:
@@ -682,6 +684,7 @@ class _Run:
                          f"steps")
             with blas_threads(threads), _quiet_numpy():
                 self.loop(runner)
+            self.close(report=True)
         except KeyboardInterrupt as exc:
             raise TrainInterrupted(getattr(exc, "signum", signal.SIGINT), self.interrupted_lines(
                 getattr(exc, "signum", signal.SIGINT))) from None
@@ -744,7 +747,7 @@ class _Run:
         if not math.isfinite(loss):
             lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
             raise self.diverged(f"the loss became {loss} at step {self.base_step + k + 1} (epoch {self.epoch_now}/"
-                                f"{self.epochs}){lr_what}", "lower the learning rate, or check the data")
+                                f"{self.epochs}){lr_what}")
         if self.bar is not None:
             self.bar.update(1)
             if k % 5 == 0:
@@ -766,14 +769,14 @@ class _Run:
         if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1:
             tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
             rec.update(test_loss=tl, test_acc=acc)
-        why = divergence(rec["train_loss"], self.best, self.classes) if len(losses) == spe else None
+        why = divergence(rec["train_loss"], self.best, self.classes) if losses else None
         if why:
             rec["diverged"] = True
         self.write_log(rec)
         if why:
             lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
             raise self.diverged(f"training diverged in epoch {e + 1}/{self.epochs}{lr_what}: its train loss "
-                                f"{rec['train_loss']:.4g} is {why}", "lower the learning rate")
+                                f"{rec['train_loss']:.4g} is {why}")
         self.result.history.append(rec)
         if len(losses) == spe and math.isfinite(rec["train_loss"]):
             self.best = rec["train_loss"] if self.best is None else min(self.best, rec["train_loss"])
@@ -807,8 +810,9 @@ class _Run:
                 "epochs": self.epochs, "step": step, "steps_per_epoch": self.spe,
                 "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout, "history": self.result.history}
         try:
-            save_checkpoint(self.save.full, arrays, meta)
-            self.saved_epoch = epoch
+            with _signals_deferred():  # what the file holds and what an interrupt reports stay one
+                save_checkpoint(self.save.full, arrays, meta)
+                self.saved_epoch = epoch
         except OSError as exc:
             raise _x("X021", f"cannot write the checkpoint `{self.save.path}` after epoch {epoch}: "
                      f"{exc.strerror or exc}",
@@ -825,19 +829,29 @@ class _Run:
             return self.resumed.path, self.resumed.epochs_done
         return None
 
-    def diverged(self, what: str, fix: str) -> StreamschedError:
+    def diverged(self, what: str) -> StreamschedError:
+        """X010 for a run that diverged: names the last good checkpoint, and the help gives the
+        command that resumes from it with a lower learning rate (a tenth of --lr when the rate came
+        from the command line; the train block's `lr` is the user's to lower)."""
         ck = self.good_checkpoint()
+        lr = self.opts.lr
+        argv = self.opts.argv
+        if lr is not None and argv:
+            argv = _without_option(argv, "--lr") + ("--lr", f"{lr / 10:g}")
+        lower = "lower `lr` in the train block" if lr is None else f"use a lower rate, e.g. `--lr {lr / 10:g}`"
         if ck:
             where = f"; the last good checkpoint is `{ck[0]}` (epoch {ck[1]}), no checkpoint of this epoch was written"
-            cmd = resume_command(self.opts.argv, ck[0])
-            help_ = (f"{fix} (`lr = ...` in the train block, or --lr), then resume from it: `{cmd}`" if cmd else
-                     f"{fix}, then resume from `{ck[0]}`")
+            cmd = resume_command(argv, ck[0])
+            if cmd:
+                help_ = (f"lower `lr` in the train block, then resume from it: `{cmd}`" if lr is None else
+                         f"resume from it with a tenth of the learning rate: `{cmd}`")
+            else:
+                help_ = f"{lower}, then resume from `{ck[0]}`"
         else:
-            where = ("; no checkpoint was written" + (f" (`{self.save.path}` holds none of this run)" if self.save else ""))
-            help_ = f"{fix} (`lr = ...` in the train block, or --lr)"
-        if "check the data" in fix:
-            help_ += "; data with NaN or inf is refused when it is loaded"
-        lr_span = None if self.opts.lr is not None else self.spans.get("lr")
+            where = "; no checkpoint was written" + (" (none was asked for: --save FILE keeps the last good epoch)"
+                                                     if self.save is None else "")
+            help_ = lower
+        lr_span = None if lr is not None else self.spans.get("lr")
         return _x("X010", f"{what}; stopping{where}", lr_span, help=help_)
 
     def interrupted_lines(self, signum: int) -> list[str]:
@@ -895,7 +909,9 @@ class _Run:
         else:
             self.echo(line)
 
-    def close(self) -> None:
+    def close(self, report: bool = False) -> None:
+        """Close the bar and the log; report: a failure to close the log (a full disk shows at the
+        last flush) is X021, else (another error already on its way) it is dropped."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -903,10 +919,52 @@ class _Run:
             f, self.log_f = self.log_f, None
             try:
                 f.close()
-            except OSError as exc:  # a full disk shows at the last flush: a diagnostic, not a traceback
-                if sys.exc_info()[1] is None:
+            except OSError as exc:
+                if report:
                     raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
                              help="the lines written before are kept; free space or name another file") from None
+
+
+def _without_option(argv: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """argv without `flag VALUE` and `flag=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return tuple(out)
+
+
+@contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM that arrive during the block take effect when it is done (their handlers
+    are swapped for ones that only note them, then restored and called).  Blocking the signals
+    in the kernel would not do: another thread (BLAS's) would take them, and Python would run the
+    handler in the main thread inside the block all the same.  A no-op outside the main thread."""
+    got: list[int] = []
+    old = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    except ValueError:  # not the main thread
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if got:
+            h = old[got[0]]
+            if callable(h):
+                h(got[0], None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 @contextmanager

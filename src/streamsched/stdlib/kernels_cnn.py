@@ -631,8 +631,8 @@ y_i = keep_i ? x_i * s : 0,  s = 1 / (1 - p) in double rounded to the compute dt
 f16/f32 x, f64 for f64), the product rounded to x's dtype;  mask_i = keep_i (1 or 0).
 x: float, offset: [] i32/i64/f32/f64 device counter (a non-negative integer value, read when the
 kernel runs; an f32 counter is exact up to 2^24) -> y: x's type, mask: x's shape in the `mask`
-dtype (u8 or f32).  p in [0, 1); seed an integer < 2^64, fixed at compile time: give every
-dropout site its own seed, since two sites with one seed and one offset draw the same bits.
+dtype (u8 or f32).  p in [0, 1); seed an integer < 2^64, fixed at compile time (two sites with
+one seed and one offset draw the same bits: a model line that gives none gets its site's own).
 Each step advances offset with offset_advance, so every replay of a captured graph draws a new
 mask.  A dropped element is 0 even when x is inf or NaN.
 """)
