@@ -1,9 +1,12 @@
-"""The `streamsched` command: check, lower, graph, run.
+"""The `streamsched` command: check, lower, graph, trace, run (and --version).
 
 Exit status: 0 clean, 1 on any user-facing error (always a diagnostic with a code, never a
 traceback), bad command-line usage included (X004; argparse's own status would be 2).  An internal
 failure names the pass and asks for a bug report (3).  A reader that stops reading early
-(`streamsched lower F | head`) ends the command quietly with status 0.
+(`streamsched lower F | head`) ends the command quietly with status 0.  SIGINT and SIGTERM end a
+run as 128 + the signal (130, 143), after it said which checkpoint holds which epoch and the
+command that resumes it.  Every output a command writes is checked before any work
+(streamsched.outputs).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ Sources (LANGUAGE.md, the `train` block)::
     npz("file.npz")                keys x_train, y_train, x_test, y_test; never unpickled
 
 Every user mistake is a `StreamschedError` with an X code (docs/data.md): X001 unknown source,
-X002 missing file, X003 corrupt file, X004 bad argument, X005 data does not fit the model,
-X006 batch size does not fit the data.  Nothing here imports CuPy.
+X002 missing file (or one that is not a regular file), X003 corrupt file or values that are not
+finite in f32, X004 bad argument, X005 data does not fit the model, X006 batch size does not fit
+the data, X014 data over the data limit (reads.py: bounded before anything is decompressed).
+Nothing here imports CuPy.
 """
 
 from __future__ import annotations
