@@ -808,7 +808,8 @@ class _Run:
         meta = {"run": self.run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": m.name,
                 "program": program.text_hash, "data": self.ds.name, "seed": self.seed, "epoch": epoch,
                 "epochs": self.epochs, "step": step, "steps_per_epoch": self.spe,
-                "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout, "history": self.result.history}
+                "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout,
+                "history": [_json_safe(r) for r in self.result.history]}
         try:
             with _signals_deferred():  # what the file holds and what an interrupt reports stay one
                 save_checkpoint(self.save.full, arrays, meta)
@@ -923,6 +924,12 @@ class _Run:
                 if report:
                     raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
                              help="the lines written before are kept; free space or name another file") from None
+
+
+def _json_safe(rec: dict) -> dict:
+    """A record with NaN and infinities as null (a test loss can overflow while the training loss
+    stays finite), since checkpoint metadata is strict JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
 
 
 def _without_option(argv: tuple[str, ...], flag: str) -> tuple[str, ...]:
