@@ -368,7 +368,7 @@ train {
 
 
 def test_same_shaped_dropout_sites_draw_different_masks(tmp_path):
-    from streamsched.dsl.resolve import site_seed
+    from streamsched.stdlib.kernels_cnn import site_seed
     from streamsched.stdlib.kernels_cnn import dropout_bits
 
     p = tmp_path / "drop.sched"

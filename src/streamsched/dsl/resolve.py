@@ -44,14 +44,6 @@ SEED = grad_name("loss")
 """The backward's seed d(loss) = 1 (a constant buffer), or the loss scale under `backward M * S`."""
 
 
-def site_seed(model: str, target: str) -> int:
-    """The `seed` attribute of a model line that does not give one (`d = dropout(f, p = 0.1)` in
-    model `net`): the first 8 bytes of sha256("net.d"), big-endian, as an integer < 2^63 (the
-    Philox key of that site's mask stream).  Distinct sites get distinct keys, the same site the
-    same key on every run."""
-    return int.from_bytes(hashlib.sha256(f"{model}.{target}".encode()).digest()[:8], "big") >> 1
-
-
 def is_dtype_var(name: str) -> bool:
     """A dtype variable in an op signature is a single capital letter (`x : T[n, k]`): it binds to
     the dtype of the first typed input it appears in, as dimension variables bind to sizes."""
@@ -729,6 +721,8 @@ class Resolver:
         if "seed" in attr_vals and "seed" not in given:
             # An RNG key the line does not give is derived from the site, so that two same-shaped
             # dropout sites draw different masks (docs/language.md, "Random sites").
+            from streamsched.stdlib.kernels_cnn import site_seed
+
             attr_vals["seed"] = site_seed(m.name.id, target0)
         for p in prm + states:
             # Parameters are trained; state (running statistics, RNG offsets) is created per use

@@ -16,6 +16,7 @@ shapes the inputs cannot recover (a strided convolution's output height fits sev
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Sequence
 
@@ -568,6 +569,14 @@ def philox4x32_10(ctr: Sequence[Any], key: Sequence[int]) -> tuple[np.ndarray, .
 def dropout_threshold(p: float) -> int:
     """The uint32 threshold t = floor(p * 2^32): element i is kept iff its word is >= t."""
     return int(math.floor(float(p) * 4294967296.0))
+
+
+def site_seed(model: str, target: str) -> int:
+    """The `seed` attribute of a model line that does not give one (`d = dropout(f, p = 0.1)` in
+    model `net`): the first 8 bytes of sha256("net.d"), big-endian, as an integer < 2^63 (the
+    Philox key of that site's mask stream).  Distinct sites get distinct keys, the same site the
+    same key on every run."""
+    return int.from_bytes(hashlib.sha256(f"{model}.{target}".encode()).digest()[:8], "big") >> 1
 
 
 def dropout_bits(size: int, seed: int, offset: int) -> np.ndarray:
