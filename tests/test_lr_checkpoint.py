@@ -12,6 +12,7 @@ import pytest
 from streamsched.diagnostics import StreamschedError
 from streamsched.interp.checkpoint import (
     FORMAT_VERSION,
+    WRITER,
     check_meta,
     load_checkpoint,
     program_hash,
@@ -146,7 +147,7 @@ def test_checkpoint_round_trip_is_bitwise(tmp_path):
     for k, a in arrays.items():
         assert got[k].dtype == a.dtype and got[k].shape == a.shape
         assert got[k].tobytes(order="A") == a.tobytes(order="A"), k  # NaN and -0.0 included
-    assert meta == dict(_meta(), format=FORMAT_VERSION, shape=[2, 3])  # tuples come back as lists
+    assert meta == dict(_meta(), format=FORMAT_VERSION, writer=WRITER, shape=[2, 3])  # tuples come back as lists
 
 
 def test_checkpoint_holds_no_pickle(tmp_path):

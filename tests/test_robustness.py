@@ -373,7 +373,7 @@ def test_train_block_log_is_written_next_to_the_program(tmp_path, capsys, monkey
     rc, _, err = run_tiny(capsys, sched)
     assert rc == 0, err
     lines = (tmp_path / "run.jsonl").read_text().splitlines()
-    assert [json.loads(ln)["epoch"] for ln in lines] == [0, 1] and os.listdir(elsewhere) == []
+    assert [json.loads(ln)["epoch"] for ln in lines] == [1, 2] and os.listdir(elsewhere) == []  # epochs from 1
     # --log overrides it
     rc, _, err = run_tiny(capsys, sched, "--log", "other.jsonl")
     assert rc == 0 and len((elsewhere / "other.jsonl").read_text().splitlines()) == 2

@@ -83,18 +83,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     part = _train("mlp_digits.sched", epochs=4, lr=0.05, save=ck, max_steps=2 * 11)
     assert len(part.history) == 2 and os.path.exists(ck)
     resumed = _train("mlp_digits.sched", epochs=4, lr=0.05, resume=ck)
-    assert resumed.history[-1]["epoch"] == 3
+    assert resumed.history[-1]["epoch"] == 4  # epochs counted from 1
     for k, v in full.params.items():
         assert np.array_equal(v, resumed.params[k]), k
     assert resumed.history[-1]["test_acc"] == full.history[-1]["test_acc"]
 
 
-def test_resume_refuses_another_program(tmp_path):
+def test_resume_refuses_a_program_whose_arrays_differ(tmp_path):
     ck = str(tmp_path / "ck.npz")
     _train("mlp_digits.sched", epochs=1, lr=0.05, save=ck)
     with pytest.raises(StreamschedError) as e:
         _train("five_streams.sched", epochs=2, resume=ck)
-    assert {d.code for d in e.value.diagnostics} == {"X008"}
+    assert {d.code for d in e.value.diagnostics} == {"X007"}
 
 
 def test_divergence_stops_with_x010_and_keeps_the_checkpoint(tmp_path):

@@ -1,18 +1,23 @@
-"""The `streamsched` command: check, lower, graph, run.
+"""The `streamsched` command: check, lower, graph, trace, run (and --version).
 
 Exit status: 0 clean, 1 on any user-facing error (always a diagnostic with a code, never a
 traceback), bad command-line usage included (X004; argparse's own status would be 2).  An internal
 failure names the pass and asks for a bug report (3).  A reader that stops reading early
-(`streamsched lower F | head`) ends the command quietly with status 0.
+(`streamsched lower F | head`) ends the command quietly with status 0.  SIGINT and SIGTERM end a
+run as 128 + the signal (130, 143), after it said which checkpoint holds which epoch and the
+command that resumes it.  Every output a command writes is checked before any work
+(streamsched.outputs).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
+from streamsched import __version__
 from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
 
 
@@ -37,6 +42,38 @@ def _compiled_or_report(args, sources: SourceCache):
         return None
 
 
+def _includes(sources: SourceCache, program_path: str) -> tuple[str, ...]:
+    """The files the program includes: every file the loader read for it but the program itself."""
+    return tuple(p for p in sources.texts if not p.startswith("<") and not _same(p, program_path))
+
+
+def _same(a: str, b: str) -> bool:
+    from streamsched.outputs import same_file
+
+    return same_file(a, b)
+
+
+def _outputs(c, sources: SourceCache, wanted: list[tuple[str | None, str, str, str]]):
+    """Check the outputs of lower/graph/trace before any work (outputs.check_output): each of
+    `wanted` is (path or None, kind, noun, option); none may be the program, an include or a data
+    file of its train block, a file of another kind, or another of these outputs.  Returns the
+    Outputs (None where no path was given); raises StreamschedError X021."""
+    from streamsched.interp.train import TrainOptions, _call, _run_inputs, setting_dir
+    from streamsched.dsl.resolve import CallValue
+    from streamsched.outputs import check_distinct, check_output
+
+    program = c.program
+    tv, spans = dict(program.train), dict(program.train_spans)
+    top = os.path.dirname(os.path.abspath(program.path))
+    data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
+    inputs = _run_inputs(program, TrainOptions(protect=_includes(sources, program.path)), data,
+                         setting_dir(spans.get("data"), top))
+    outs = [check_output(p, kind, noun=noun, origin=flag, inputs=inputs) if p else None
+            for p, kind, noun, flag in wanted]
+    check_distinct(outs)
+    return outs
+
+
 def cmd_check(args) -> int:
     sources = SourceCache()
     all_diags: list[Diagnostic] = []
@@ -46,7 +83,7 @@ def cmd_check(args) -> int:
             all_diags.extend(c.diagnostics)
             from streamsched.interp.train import check_train_settings
 
-            all_diags.extend(check_train_settings(c.program))
+            all_diags.extend(check_train_settings(c.program, _includes(sources, path)))
         except StreamschedError as e:
             all_diags.extend(e.diagnostics)
         except OSError as exc:  # a file that cannot be read is a diagnostic too (JSON under --format json)
@@ -64,17 +101,25 @@ def cmd_check(args) -> int:
 
 def cmd_lower(args) -> int:
     from streamsched.interp.plan_text import format_plan
+    from streamsched.outputs import replaced
 
     sources = SourceCache()
     c = _compiled_or_report(args, sources)
     if c is None:
         return 1
     if c.plan is not None:
+        if args.output:
+            try:
+                (out,) = _outputs(c, sources, [(args.output, "plan", "the plan", "-o")])
+            except StreamschedError as e:
+                _print_diags(e.diagnostics, sources, "text")
+                return 1
         text = format_plan(c.plan, sources)
         if args.output:
             try:
-                with open(args.output, "w", encoding="utf-8") as f:
-                    f.write(text + "\n")
+                with replaced(out) as tmp:
+                    with open(tmp, "w", encoding="utf-8") as f:
+                        f.write(text + "\n")
             except OSError as exc:
                 _print_diags([Diagnostic("X021", f"cannot write `{args.output}`: {exc.strerror or exc}",
                                          help="name a file in an existing folder you can write to")],
@@ -96,6 +141,13 @@ def cmd_graph(args) -> int:
     if c.plan is None:
         _print_diags(c.diagnostics, sources, "text")
         return 1
+    from streamsched.outputs import replaced
+
+    try:
+        (out,) = _outputs(c, sources, [(args.output, "graph", "the drawing", "-o")])
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
     if args.captured:
         try:  # no GPU is X020, as for `run --backend cuda` and `trace`, before any capture is tried
             from streamsched.interp.cuda import cuda_available
@@ -112,7 +164,8 @@ def cmd_graph(args) -> int:
                                           "GPU, or draw the plan without --captured")], sources, "text")
             return 1
         try:
-            write_captured_dot(c, args.output)
+            with replaced(out) as tmp:
+                write_captured_dot(c, tmp)
         except OSError as exc:
             _print_diags([Diagnostic("X021", f"cannot write `{args.output}`: {exc.strerror or exc}",
                                      help="name a file in an existing folder you can write to")], sources, "text")
@@ -124,7 +177,8 @@ def cmd_graph(args) -> int:
             return 1
     else:
         try:
-            write_graph(c.plan, args.output)
+            with replaced(out) as tmp:
+                write_graph(c.plan, tmp)
         except (RuntimeError, ValueError, OSError) as exc:
             print(f"error[X021]: cannot write `{args.output}`: {exc}", file=sys.stderr)
             return 1
@@ -145,8 +199,10 @@ def cmd_run(args) -> int:
         _print_diags([d for d in c.diagnostics if d.severity == "warning"], sources, "text")
         opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
-                            save=args.save, resume=args.resume, max_steps=args.steps,
-                            progress=not args.quiet)
+                            save=args.save, resume=args.resume, resume_weights=args.resume_weights,
+                            max_steps=args.steps, progress=not args.quiet, threads=args.threads,
+                            data_limit=args.data_limit, protect=_includes(sources, args.file),
+                            argv=tuple(args.argv))
         res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
     except TaskFailedError as e:
         t = e.task
@@ -164,12 +220,12 @@ def cmd_run(args) -> int:
     if res.steps == 0:  # no timing or loss to speak of
         msg = f"no steps run ({res.note or 'nothing to do'})"
         if acc is not None:
-            msg += f"; last recorded: epoch {last.get('epoch', -1) + 1}, test accuracy {100 * acc:.2f}%"
+            msg += f"; last recorded: epoch {last.get('epoch')}, test accuracy {100 * acc:.2f}%"
         print(msg)
         return 1 if res.races else 0
     us = 1e6 * res.wall_s / max(res.steps, 1)
     msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included); "
-           f"epoch {last.get('epoch', -1) + 1}: train loss {last.get('train_loss', float('nan')):.4f}")
+           f"epoch {last.get('epoch')}: train loss {last.get('train_loss', float('nan')):.4f}")
     if acc is not None:
         msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
     print(msg)
@@ -186,6 +242,14 @@ def cmd_trace(args) -> int:
     if not c.ok:
         _print_diags(c.diagnostics, sources, "text")
         return 1
+    from streamsched.outputs import replaced
+
+    try:
+        out, png = _outputs(c, sources, [(args.output, "trace", "the trace", "-o"),
+                                         (args.png, "picture", "the timeline", "--png")])
+    except StreamschedError as e:
+        _print_diags(e.diagnostics, sources, "text")
+        return 1
     from streamsched.interp.cuda import cuda_available
 
     ok, why = cuda_available()
@@ -195,7 +259,12 @@ def cmd_trace(args) -> int:
     from streamsched.interp.cuda.trace import trace
 
     try:
-        trace(c, args.output, png=args.png, steps=args.steps)
+        with replaced(out) as tmp_json:
+            if png is not None:
+                with replaced(png) as tmp_png:
+                    trace(c, tmp_json, png=tmp_png, steps=args.steps)
+            else:
+                trace(c, tmp_json, png=None, steps=args.steps)
     except OSError as exc:
         print(f"error[X021]: cannot write `{args.output}`: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -208,6 +277,10 @@ class ArgumentParser(argparse.ArgumentParser):
     missing argument, `--epochs five`) prints the usage and an X004 diagnostic and exits 1, not
     argparse's 2.  Subcommand parsers inherit it (add_subparsers uses the parent's class)."""
 
+    def __init__(self, *a, **kw):
+        kw.setdefault("allow_abbrev", False)  # `--res` is not `--resume`: the resume command is exact
+        super().__init__(*a, **kw)
+
     def error(self, message: str):  # noqa: D102 (argparse's hook)
         self.print_usage(sys.stderr)
         self.exit(1, f"error[X004]: {message}\n  = help: `{self.prog} --help` lists the options\n")
@@ -215,6 +288,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
+    p.add_argument("--version", action="version", version=f"streamsched {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     pol = dict(choices=["auto", "chain", "explicit"], default=None, help="barrier policy (overrides the file)")
     cap = dict(choices=["none", "graphs", "step"], default=None, help="capture mode (overrides the file)")
@@ -262,12 +336,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--interleave", choices=["fixed", "random"], default="fixed",
                    help="CPU backend: stream interleaving")
     r.add_argument("--interleave-seed", type=int, default=0)
-    r.add_argument("--log", help="append one JSON line per epoch")
-    r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch)")
-    r.add_argument("--resume", help="continue from a checkpoint")
-    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--log", help="append one JSON line per epoch (only to a log streamsched wrote)")
+    r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch; only replaces a "
+                                  "checkpoint streamsched wrote)")
+    r.add_argument("--resume", help="continue from a checkpoint (any change that keeps every array's name, "
+                                    "shape and dtype; the changes are listed)")
+    r.add_argument("--resume-weights", metavar="CHECKPOINT",
+                   help="start a new run from a checkpoint's parameters (fine-tuning)")
+    r.add_argument("--threads", type=int, help="BLAS threads (default: as many as the matrix products use, "
+                                               "at most the cores this process may use)")
+    r.add_argument("--data-limit", type=_size, metavar="SIZE",
+                   help="the most bytes data files and checkpoints may hold, e.g. 16G "
+                        "(default 4G, or $STREAMSCHED_DATA_LIMIT)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no per-epoch lines")
     r.set_defaults(fn=cmd_run)
     return p
+
+
+def _size(text: str) -> int:
+    from streamsched.reads import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _quiet_stdout() -> None:
@@ -280,9 +372,29 @@ def _quiet_stdout() -> None:
         pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interrupt so that a run ends as on Ctrl-C: its log closed, its
+    locks released, the resume command printed."""
+
+    signum = signal.SIGTERM
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from streamsched.interp.train import TrainInterrupted
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    old_term = None
+    try:
+        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main thread
+        pass
     try:
         args = build_parser().parse_args(argv)
+        args.argv = argv
         rc = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         return rc
@@ -295,10 +407,20 @@ def main(argv: list[str] | None = None) -> int:
         # is lost once its output is cut, so a script that needs it must not cut the output.
         _quiet_stdout()
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except TrainInterrupted as e:
+        print("\n".join(e.lines), file=sys.stderr)
+        return 128 + int(e.signum)
+    except KeyboardInterrupt as e:
+        signum = int(getattr(e, "signum", signal.SIGINT))
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except InternalError as exc:
         print(f"internal error (a bug in streamsched, not in your file): {exc}", file=sys.stderr)
         traceback.print_exc()
         return 3
+    finally:
+        if old_term is not None:
+            try:
+                signal.signal(signal.SIGTERM, old_term)
+            except (ValueError, OSError):
+                pass

@@ -12,6 +12,7 @@ from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedE
 from streamsched.dsl import ast as A
 from streamsched.dsl.parse import parse
 from streamsched.interp.ir import Span
+from streamsched.reads import SOURCE_LIMIT, ReadError, human_size, read_regular
 
 STDLIB_PATH = "<stdlib>/ops.sched"
 
@@ -41,13 +42,30 @@ def _not_utf8(path: str, raw: bytes, exc: UnicodeDecodeError, inc_span, sources:
                       help="save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 FILE`)")
 
 
+def _unreadable(path: str, exc: ReadError, inc_span) -> Diagnostic:
+    """The diagnostic for a .sched file that cannot be read: X014 over the size limit; otherwise
+    X002 for the program named on the command line, S010 at the `include` line for an include
+    (missing, a folder, a FIFO or device: only regular files are read, so `include "/dev/zero"`
+    or a FIFO never hangs or fills memory)."""
+    if exc.why == "too_large":
+        return Diagnostic("X014", f"`{path}` {exc.message}", inc_span,
+                          help=f"a .sched file may hold at most {human_size(SOURCE_LIMIT)}; split it or check the path")
+    if inc_span is None:
+        msg = f"cannot read `{path}`: it {exc.message}" if exc.why != "unreadable" else f"`{path}` {exc.message}"
+        return Diagnostic("X002", msg, help="check the path; streamsched reads programs from regular .sched files")
+    why = "not found" if exc.why == "missing" else exc.message
+    return Diagnostic("S010", f"included file `{path}` {why}", inc_span,
+                      help="include paths are relative to the including file, and name a regular .sched file")
+
+
 def load_program_files(path: str, text: str | None, sources: SourceCache) -> tuple[list[A.File], list[Diagnostic]]:
     """Parse `path` (or the given `text` for it) and, depth first, every file it includes.
 
     A file included more than once (twice, or by two includers) is read the first time only.
     Returns the files in include order (an included file before the rest of its includer) and
-    the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found,
-    S011 recursive include.
+    the diagnostics: P-family from parsing (P005 a file that is not UTF-8), S010 include not found
+    or not a regular file, S011 recursive include, X014 a file over SOURCE_LIMIT.  The top file
+    that cannot be read raises StreamschedError X002 (X014 when too large).
     Every text read is stored in `sources` so diagnostics can print it.
     """
     files: list[A.File] = []
@@ -67,14 +85,12 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
         loaded.add(key)
         if txt is None:
             try:
-                with open(p, "rb") as f:
-                    raw = f.read()
-            except OSError as exc:
+                raw = read_regular(p, SOURCE_LIMIT, "a .sched file")
+            except ReadError as exc:
+                diag = _unreadable(p, exc, inc_span)
                 if inc_span is None:
-                    raise StreamschedError([Diagnostic("X002", f"cannot read `{p}`: {exc.strerror or exc}")]) from None
-                why = "not found" if not os.path.exists(p) else f"cannot be read: {exc.strerror or exc}"
-                diags.append(Diagnostic("S010", f"included file `{p}` {why}", inc_span,
-                                        help="include paths are relative to the including file"))
+                    raise StreamschedError([diag]) from None
+                diags.append(diag)
                 return
             try:
                 txt = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is dropped

@@ -762,6 +762,12 @@ class Resolver:
             if a.name.id in given:
                 attr_vals[a.name.id] = self.const(given[a.name.id], env)
         target0 = st.targets[0].id
+        if "seed" in attr_vals and "seed" not in given:
+            # An RNG key the line does not give is derived from the site, so that two same-shaped
+            # dropout sites draw different masks (docs/language.md, "Random sites").
+            from streamsched.stdlib.kernels_cnn import site_seed
+
+            attr_vals["seed"] = site_seed(m.name.id, target0)
         for p in prm + states:
             # Parameters are trained; state (running statistics, RNG offsets) is created per use
             # the same way, checkpointed, and never differentiated.

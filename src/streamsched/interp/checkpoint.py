@@ -1,18 +1,30 @@
 """Checkpoints: a training run's arrays and metadata in one pickle-free `.npz`, replaced
 atomically, so a crash leaves either the old checkpoint or the new one, never half of one.
 
-Layout: one member per array (its key as given) plus `__meta__`, the metadata as UTF-8 JSON in a
-uint8 array.  The metadata a run writes (`streamsched run`)::
+Layout: one member per array (its key as given, `KEY.npy`) plus `__meta__.npy`, the metadata as
+UTF-8 JSON in a uint8 array.  `save_checkpoint` adds `format` (FORMAT_VERSION) and `writer`
+("streamsched X.Y.Z"); the rest is the caller's.  What `streamsched run` writes (docs/data.md,
+"Checkpoints", lists the same fields; a test holds the two equal)::
 
-    format        FORMAT_VERSION (added when absent)
-    model         the model's name
-    epoch, step   where to resume: epoch e, step k within it (Batches.epoch(e, start=k))
-    seed          the shuffle seed (plain int; the order of epoch e is a function of (seed, e))
-    lr_step       the global step the learning-rate schedule resumes from
-    program       program_hash(text of the .sched file); resuming with another program is refused
+    format           2 (format 1, written before, is read too)
+    writer           "streamsched 0.1.0": how `--save` recognises a file it may replace
+    run              the id of the run that wrote it (its log lines carry the same id)
+    saved_at         when, ISO 8601 with the UTC offset
+    model            the model's name
+    program          the first 16 hex digits of the sha256 of the program's text, includes too
+    data             the data source, as resolved (`digits(test=0.2, seed=0)`, `npz(/abs/f.npz)`)
+    seed             the shuffle seed (the order of epoch e is a function of (seed, e))
+    epoch            the number of whole epochs trained (1-based: 3 after the third epoch)
+    epochs           the run's planned length in epochs
+    step             the number of steps trained, all runs of this checkpoint together
+    steps_per_epoch  steps in one epoch (the training samples // the batch)
+    lr               {"schedule": "cosine(v=0.1, warmup=50, min=0.0)", "total_steps": T, "resume": ...}
+    layout           {name: [shape, dtype]} of every array, as the program declared it
+    history          the per-epoch records, as in the log
 
 Errors: X007 missing or unreadable checkpoint, or arrays that do not fit the run (check_arrays:
-missing, unknown, or of another shape or dtype); X008 checkpoint does not match the run.
+missing, unknown, or of another shape or dtype); X014 a checkpoint over the data limit; X008
+(check_meta) a checkpoint whose metadata differs where the caller demands equality.
 """
 
 from __future__ import annotations
@@ -21,24 +33,28 @@ import errno
 import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
 import zipfile
-import zlib
 from typing import Any
 
 import numpy as np
 
+from streamsched import __version__
 from streamsched.diagnostics import Diagnostic, StreamschedError
-from streamsched.interp.data import archive_kind, own_words
+from streamsched.interp.data import archive_kind
 from streamsched.interp.ir import Span
+from streamsched.reads import META_LIMIT, ReadError, data_limit, file_kind, human_size, read_npz
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_KEY = "__meta__"
+WRITER = f"streamsched {__version__}"
 _RESERVED = {META_KEY}
 
 
 def program_hash(text: str) -> str:
-    """sha256 of a .sched program's text, hex; what `meta["program"]` holds."""
+    """sha256 of a .sched program's text, hex."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -46,16 +62,81 @@ def _err(code: str, message: str, span: Span | None, help: str = "") -> Streamsc
     return StreamschedError([Diagnostic(code, message, span=span, help=help)])
 
 
+def temp_pattern(path: str) -> re.Pattern:
+    """The names of the temporary files `atomic_temp` makes for `path` (`.ck.npz.k3j9x0_a.tmp`,
+    and `.plan.svg.k3j9x0_a.tmp.svg` for writers that need the suffix), so that a later run can
+    remove the ones a killed run left behind."""
+    base = os.path.basename(path)
+    ext = os.path.splitext(base)[1]
+    return re.compile(r"^\." + re.escape(base) + r"\.[A-Za-z0-9_]{8}\.tmp(" + re.escape(ext) + r")?$")
+
+
+def atomic_temp(path: str, keep_suffix: bool = False) -> tuple[int, str]:
+    """A new temporary file next to `path` (same folder, so `os.replace` is a rename), with the
+    permissions the final file should have (those of the file it replaces, else 0666 less the
+    umask; mkstemp's own 0600 would make every output private).  keep_suffix: end the name in
+    path's suffix too (`dot -Tsvg` and matplotlib choose the format by it).  Returns (fd, name).
+    Raises OSError when path names a folder, or an existing file that is not a regular one, or
+    its folder cannot be written."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):  # else the temporary file would land in the folder above it
+            raise IsADirectoryError(errno.EISDIR, "is a folder, not a checkpoint file", path)
+        raise OSError(errno.EEXIST, f"is {file_kind(st.st_mode)}, not a regular file; it is never replaced", path)
+    directory = os.path.dirname(path)
+    base = os.path.basename(path)
+    suffix = ".tmp" + (os.path.splitext(base)[1] if keep_suffix else "")
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=suffix, dir=directory)
+    try:
+        if st is not None:
+            mode = stat.S_IMODE(st.st_mode)
+        else:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+    except (OSError, AttributeError):  # pragma: no cover (no fchmod: Windows)
+        pass
+    return fd, tmp
+
+
+def replace_atomically(tmp: str, path: str) -> None:
+    """Rename the finished temporary file `tmp` over `path`, unless `path` became something
+    other than a regular file meanwhile (then OSError, tmp removed); fsync the folder after."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        _unlink_quietly(tmp)
+        raise OSError(errno.EEXIST, f"is {file_kind(st.st_mode)}, not a regular file; it is never replaced", path)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _unlink_quietly(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
 def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
     """Write arrays and meta to path (an .npz) atomically.
 
     arrays: name -> numeric array (any shape and dtype but object); meta: JSON-serialisable
-    dict (ints, floats, strings, lists, dicts; tuples come back as lists).  Writes a temporary
-    file in path's folder, flushes and fsyncs it, `os.replace`s it over path, then fsyncs the
-    folder so the rename itself is durable.  On any failure the temporary file is removed and the
-    previous checkpoint at path is untouched.  Raises OSError when path is a folder or its
-    folder cannot be written (the caller turns it into a diagnostic), ValueError for a reserved
-    or non-string key, an object array, or meta that JSON cannot hold (programming errors, not
+    dict (ints, floats, strings, lists, dicts; tuples come back as lists), to which `format` and
+    `writer` are added.  Writes a temporary file in path's folder (atomic_temp), flushes and
+    fsyncs it, `os.replace`s it over path, then fsyncs the folder so the rename itself is durable.
+    On any failure (an interrupt included) the temporary file is removed and the previous
+    checkpoint at path is untouched.  Raises OSError when path is a folder or an existing file
+    that is not a regular one (a FIFO, a device, a symbolic link: never replaced), or its folder
+    cannot be written (the caller turns it into a diagnostic); ValueError for a reserved or
+    non-string key, an object array, or meta that JSON cannot hold (programming errors, not
     user mistakes).
     """
     path = os.fspath(path)
@@ -67,17 +148,14 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
         if arr.dtype.hasobject:
             raise ValueError(f"checkpoint: array {key!r} has dtype {arr.dtype}; checkpoints hold no pickles")
         clean[key] = arr
-    meta = {"format": FORMAT_VERSION, **meta}
+    meta = {"format": FORMAT_VERSION, "writer": WRITER, **meta}
     try:
         text = json.dumps(meta, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint: meta is not plain JSON: {e}") from None
     clean[META_KEY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
-    if os.path.isdir(path):  # else the temporary file would land in the folder above it
-        raise IsADirectoryError(errno.EISDIR, "is a folder, not a checkpoint file", path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = atomic_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             # np.savez's layout (one NAME.npy per array, stored), written member by member so
@@ -88,14 +166,10 @@ def save_checkpoint(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta
                         np.lib.format.write_array(member, arr, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_atomically(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
-    _fsync_dir(directory)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -112,41 +186,82 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | os.PathLike, span: Span | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike, span: Span | None = None, *,
+                    limit: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read a checkpoint written by `save_checkpoint`: (name -> array, meta dict).
 
-    Never unpickles (np.load with allow_pickle=False).  Raises StreamschedError X007 when the
-    file is missing, is not an .npz, lacks or has unreadable `__meta__`, holds an object array,
-    or was written by a newer format version.
+    Never unpickles, and reads only a regular file (never a FIFO or a device), its arrays at most
+    `limit` bytes together (None: reads.data_limit()) and its metadata at most META_LIMIT, both
+    checked before decompressing.  Raises StreamschedError X007 when the file is missing, is not
+    a regular file or not an .npz, lacks or has unreadable `__meta__`, holds an object array or
+    an array whose header disagrees with its bytes, or was written by a newer format version;
+    X014 when it is over a limit.
     """
     path = os.fspath(path)
     help_ = "start without --resume, or point it at a checkpoint written by `streamsched run`"
-    if not os.path.isfile(path):
-        what = "is a folder" if os.path.isdir(path) else "does not exist"
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        what = "does not exist" if st is None else f"is {file_kind(st.st_mode)}, not a checkpoint file"
         raise _err("X007", f"checkpoint `{path}` {what}", span, help=help_)
     kind = archive_kind(path)
     if kind != "npz":
         what = "it holds a single .npy array" if kind == "npy" else kind
         raise _err("X007", f"checkpoint `{path}` is not an .npz archive ({what})", span, help=help_)
     try:
-        z = np.load(path, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise ValueError("a single .npy array, not an .npz archive")
-        with z:
-            if META_KEY not in z.files:
-                raise ValueError(f"no `{META_KEY}` entry")
-            arrays = {k: z[k] for k in z.files if k != META_KEY}
-            meta = json.loads(z[META_KEY].tobytes().decode("utf-8"))
-    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as e:
-        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: {own_words(e)}", span,
+        lim = data_limit(limit)
+    except ValueError as e:
+        raise _err("X004", str(e), None, help="write a size such as 8G or 512M") from None
+    try:
+        names, arrays = read_npz(path, lim + META_LIMIT, None, {META_KEY: META_LIMIT})
+    except ReadError as e:
+        if e.why == "too_large":
+            raise _err("X014", f"checkpoint `{path}` {e.message}", span,
+                       help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the "
+                            "checkpoint really is that large") from None
+        what = "it holds pickled (object) data, which streamsched never loads" if e.why == "pickle" else e.message
+        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: {what}", span, help=help_) from None
+    raw = arrays.pop(META_KEY, None)
+    if raw is None:
+        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: no `{META_KEY}` entry", span, help=help_)
+    if sum(a.nbytes for a in arrays.values()) > lim:
+        raise _err("X014", f"checkpoint `{path}` holds {human_size(sum(a.nbytes for a in arrays.values()))} of "
+                   f"arrays, over the {human_size(lim)} data limit", span,
+                   help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G)")
+    try:
+        meta = json.loads(np.ascontiguousarray(raw).tobytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: its metadata is not JSON ({e})", span,
                    help=help_) from None
     if not isinstance(meta, dict):
         raise _err("X007", f"checkpoint `{path}` is corrupt: its metadata is not a JSON object", span, help=help_)
     fmt = meta.get("format")
-    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt > FORMAT_VERSION:
         raise _err("X007", f"checkpoint `{path}` has format {fmt!r}; this streamsched reads format "
                    f"{FORMAT_VERSION} and older", span, help="resume with the streamsched version that wrote it")
     return arrays, meta
+
+
+def written_by_us(path: str) -> tuple[bool, str]:
+    """Whether the regular file `path` is a checkpoint this tool wrote, told by its metadata
+    alone (the arrays are not read): a zip archive with a `__meta__` member holding a JSON object
+    with `"writer": "streamsched ..."` (format 2), or with `format`, `model` and `program`
+    (format 1).  Returns (yes, what it is otherwise, as a phrase)."""
+    kind = archive_kind(path)
+    if kind != "npz":
+        return False, {"npy": "a single .npy array", "it is empty": "an empty file", "it holds text": "a text file",
+                       }.get(kind, "a binary file")
+    try:
+        names, arrays = read_npz(path, META_LIMIT, (META_KEY,), {META_KEY: META_LIMIT})
+        meta = json.loads(np.ascontiguousarray(arrays[META_KEY]).tobytes().decode("utf-8"))
+    except (ReadError, KeyError, ValueError, UnicodeDecodeError, RecursionError):
+        return False, "a zip archive that is not a streamsched checkpoint"
+    if isinstance(meta, dict) and (str(meta.get("writer", "")).startswith("streamsched")
+                                   or {"format", "model", "program"} <= set(meta)):
+        return True, "a streamsched checkpoint"
+    return False, "an .npz archive that is not a streamsched checkpoint"
 
 
 _FIELD_HELP = {

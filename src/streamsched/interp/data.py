@@ -8,8 +8,10 @@ Sources (LANGUAGE.md, the `train` block)::
     npz("file.npz")                keys x_train, y_train, x_test, y_test; never unpickled
 
 Every user mistake is a `StreamschedError` with an X code (docs/data.md): X001 unknown source,
-X002 missing file, X003 corrupt file, X004 bad argument, X005 data does not fit the model,
-X006 batch size does not fit the data.  Nothing here imports CuPy.
+X002 missing file (or one that is not a regular file), X003 corrupt file or values that are not
+finite in f32, X004 bad argument, X005 data does not fit the model, X006 batch size does not fit
+the data, X014 data over the data limit (reads.py: bounded before anything is decompressed).
+Nothing here imports CuPy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import difflib
 import gzip
 import math
 import os
-import zipfile
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.interp.ir import Span
+from streamsched.reads import ReadError, data_limit, file_kind, human_size, open_regular, read_exactly, read_head, read_npz
 
 SOURCES = ("digits", "idx", "npz")
 """The data sources `load_dataset` knows, in the order the error message lists them."""
@@ -132,22 +135,66 @@ def _is_number(v) -> bool:
 # Sources
 
 
-def load_dataset(source: str, args: tuple, kwargs: dict, *, base_dir: str, span: Span | None = None) -> Dataset:
+def load_dataset(source: str, args: tuple, kwargs: dict, *, base_dir: str, span: Span | None = None,
+                 limit: int | None = None) -> Dataset:
     """Load `source(*args, **kwargs)` from the `train` block's `data = ...` line.
 
     source: "digits" | "idx" | "npz"; args/kwargs: the literal arguments as parsed (numbers,
     strings); base_dir: the .sched file's folder, against which relative paths resolve;
-    span: the `data = ...` line, put on every diagnostic.
+    span: the `data = ...` line, put on every diagnostic; limit: the most bytes the data files may
+    hold, decompressed, all arrays together (None: reads.data_limit(), 4 GiB unless
+    $STREAMSCHED_DATA_LIMIT says otherwise).
     Returns a `Dataset` (x f32 [N, *features] in [0, 1] for digits and idx, y i32 [N]).
-    Raises StreamschedError X001 unknown source, X002 missing file or folder, X003 corrupt or
-    unreadable file, X004 bad argument.
+    Raises StreamschedError X001 unknown source, X002 missing file or folder (or one that is not a
+    regular file), X003 corrupt or unreadable file, or values that are not finite numbers in f32
+    (NaN, inf, or an f64 beyond f32's range: the file, the array and the first bad index are
+    named), X004 bad argument, X014 data over the limit.
     """
     a = check_source(source, args, kwargs, base_dir=base_dir, span=span)
+    try:
+        budget = _Budget(data_limit(limit))
+    except ValueError as e:
+        raise _err("X004", str(e), None, help="write a size such as 8G or 512M") from None
     if source == "digits":
         return _load_digits(a["test"], a["seed"], span)
     if source == "idx":
-        return _load_idx_dir(a["path"], span)
-    return _load_npz(a["path"], span)
+        return _load_idx_dir(a["path"], span, budget)
+    return _load_npz(a["path"], span, budget)
+
+
+class _Budget:
+    """The bytes a data set may still read (reads.data_limit), spent file by file."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def too_large(self, what: str, nbytes: int, span: Span | None) -> StreamschedError:
+        so_far = f" after {human_size(self.used)} of earlier files" if self.used else ""
+        return _err("X014", f"{what} holds {human_size(nbytes)} (decompressed), over the {human_size(self.limit)} "
+                    f"data limit{so_far}", span,
+                    help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the data "
+                         "really is that large")
+
+
+def data_paths(source: str, args: tuple, kwargs: dict, *, base_dir: str) -> list[str]:
+    """The files `data = source(...)` reads (absolute paths; an idx folder's four files, .gz or
+    not, whichever exist), for the output checks that refuse to overwrite them.  A source that
+    does not check gives [] (its own diagnostic comes when the data is loaded)."""
+    try:
+        a = check_source(source, args, kwargs, base_dir=base_dir)
+    except StreamschedError:
+        return []
+    if source == "npz":
+        return [a["path"]]
+    if source == "idx":
+        return [os.path.join(a["path"], base + gz) for names in _IDX_FILES.values() for base in names
+                for gz in ("", ".gz") if os.path.lexists(os.path.join(a["path"], base + gz))]
+    return []
 
 
 DIGITS_SAMPLES = 1797
@@ -173,9 +220,19 @@ def check_source(source: str, args: tuple, kwargs: dict, *, base_dir: str, span:
     if source in ("idx", "npz"):  # idx reads a folder, npz a file
         a = bind_args(source, (("path", REQUIRED),), args, kwargs, span)
         path = _resolve_path(source, a["path"], base_dir, span)
-        is_kind, kind, other = (os.path.isdir, "folder", "file") if source == "idx" else (os.path.isfile, "file", "folder")
-        if not is_kind(path):
-            what = f"is a {other}, not a {kind}" if os.path.exists(path) else "does not exist"
+        kind = "folder" if source == "idx" else "file"
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        ok = st is not None and (stat.S_ISDIR(st.st_mode) if source == "idx" else stat.S_ISREG(st.st_mode))
+        if not ok:
+            if st is None:
+                what = "does not exist"
+            elif source == "npz" and not stat.S_ISDIR(st.st_mode):
+                what = f"is {file_kind(st.st_mode)}, not a regular file"
+            else:
+                what = f"is {'a file' if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)}, not a {kind}"
             raise _err("X002", f"{source}: data {kind} `{path}` {what}", span,
                        help="relative paths are resolved against the folder of the .sched file that writes them")
         return {**a, "path": path}
@@ -271,51 +328,112 @@ def parse_idx(raw: bytes, name: str = "<bytes>", span: Span | None = None) -> np
         what = "truncated" if got < expected else "longer than its header says"
         raise _err("X003", f"`{name}` is {what}: shape {shape} needs {expected} data bytes, found {got}",
                    span, help=help_)
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    try:
+        return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+    except ValueError as e:  # an empty shape whose other dimensions NumPy cannot index: (0, 3e9, 3e9)
+        raise _err("X003", f"`{name}` has a shape NumPy cannot hold, {shape}: {e}", span, help=help_) from None
 
 
-def _read_idx(directory: str, key: str, span: Span | None) -> np.ndarray:
+def _read_idx(directory: str, key: str, span: Span | None, budget: _Budget) -> np.ndarray:
     for base in _IDX_FILES[key]:
         for path in (os.path.join(directory, base), os.path.join(directory, base + ".gz")):
-            if os.path.isfile(path):
-                try:
-                    if path.endswith(".gz"):
-                        with gzip.open(path, "rb") as f:
-                            raw = f.read()
-                    else:
-                        with open(path, "rb") as f:
-                            raw = f.read()
-                except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-                    raise _err("X003", f"cannot read `{path}`: {e}", span,
-                               help="re-download the file; a .gz file must be a complete gzip stream") from None
-                return parse_idx(raw, path, span)
+            if os.path.lexists(path):
+                return parse_idx(_idx_bytes(path, span, budget), path, span)
     names = ", ".join(f"{n}[.gz]" for n in _IDX_FILES[key])
     raise _err("X002", f"idx: `{directory}` has no {_IDX_FILES[key][0]} (or .gz)", span,
                help=f"an MNIST-format folder holds four files; looked for {names}")
 
 
-def _load_idx_dir(directory: str, span: Span | None) -> Dataset:
+def _idx_bytes(path: str, span: Span | None, budget: _Budget) -> bytes:
+    """The bytes of one IDX file (decompressed when it ends in .gz), read only as far as its
+    header says: the size the header claims is checked against the data limit before the data
+    is read or decompressed (a gzip bomb stops at the header), and a file that continues past
+    its data is refused without reading the rest."""
+    try:
+        fd = open_regular(path)
+    except ReadError as e:
+        code = "X002" if e.why in ("missing", "not_regular") else "X003"
+        raise _err(code, f"idx: `{path}` {e.message}", span, help="an MNIST-format folder holds four regular files") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            stream = gzip.GzipFile(fileobj=f, mode="rb") if path.endswith(".gz") else f
+            if stream is f and os.fstat(fd).st_size > budget.left:
+                raise budget.too_large(f"idx: `{path}`", os.fstat(fd).st_size, span)
+            head = read_exactly(stream, 4)
+            if len(head) < 4 or head[0] or head[1] or head[2] not in _IDX_TYPES or head[3] == 0:
+                return head  # parse_idx says what is wrong
+            dims = read_exactly(stream, 4 * head[3])
+            if len(dims) < 4 * head[3]:
+                return head + dims
+            count = 1
+            for d in np.frombuffer(dims, dtype=">u4"):
+                count *= int(d)
+            expected = count * np.dtype(_IDX_TYPES[head[2]]).itemsize
+            if expected > budget.left:
+                raise budget.too_large(f"idx: `{path}` (shape {tuple(int(d) for d in np.frombuffer(dims, '>u4'))})",
+                                       expected, span)
+            data = read_exactly(stream, expected + 1)
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise _err("X003", f"cannot read `{path}`: {e}", span,
+                   help="re-download the file; a .gz file must be a complete gzip stream") from None
+    if len(data) > expected:
+        raise _err("X003", f"`{path}` is longer than its header says: shape "
+                   f"{tuple(int(d) for d in np.frombuffer(dims, '>u4'))} needs {expected} data bytes, found more",
+                   span, help="re-download the file; an IDX file holds exactly the data its header describes")
+    budget.used += len(data)
+    return head + dims + data
+
+
+def _load_idx_dir(directory: str, span: Span | None, budget: _Budget | None = None) -> Dataset:
     """An MNIST-format folder, already checked to exist by check_source."""
-    a = {key: _read_idx(directory, key, span) for key in _IDX_FILES}
+    budget = budget or _Budget(data_limit())
+    a = {key: _read_idx(directory, key, span, budget) for key in _IDX_FILES}
     for key in ("x_train", "x_test"):
         if a[key].ndim < 2:
             raise _err("X003", f"idx: {_IDX_FILES[key][0]} has shape {a[key].shape}; images need at least "
                        "2 dimensions (samples, pixels...)", span)
+        check_finite(a[key], f"idx: `{_IDX_FILES[key][0]}` in `{directory}`", span)
         # Pixels stored as bytes are scaled to [0, 1]; other types are taken as they are.
         scale = 255.0 if a[key].dtype == np.uint8 else 1.0
         a[key] = (a[key].reshape(len(a[key]), -1) / scale).astype(np.float32)
     return _make_dataset(a["x_train"], a["y_train"], a["x_test"], a["y_test"], f"idx({directory})", span, "idx")
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_finite(x: np.ndarray, what: str, span: Span | None) -> None:
+    """Refuse features that are not finite numbers once in f32, the dtype training uses: NaN, inf,
+    or a wider float beyond +-3.4e38 (it would become inf).  what names the array and its file
+    ("npz: `x_train` in `/d/data.npz`").  Raises StreamschedError X003 naming the first bad
+    index (row-major) and its value."""
+    if x.dtype.kind != "f" or x.size == 0:
+        return
+    bad = ~np.isfinite(x)
+    if x.dtype.itemsize > 4:
+        with np.errstate(invalid="ignore"):
+            bad |= np.abs(x) > _F32_MAX
+    if not bad.any():
+        return
+    idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad.reshape(-1))), x.shape))
+    v = x[idx]
+    why = "" if not np.isfinite(v) else f", beyond f32's range (+-{_F32_MAX:.6g}): it would be inf in training"
+    n_bad = int(bad.sum())
+    raise _err("X003", f"{what} holds {float(v):.6g} at index [{', '.join(map(str, idx))}] (sample {idx[0]}){why}; "
+               f"{n_bad} value{'s are' if n_bad != 1 else ' is'} not a finite f32 number in all", span,
+               help="clean the data (every feature must be a finite number in f32's range), e.g. with "
+                    "np.nan_to_num or by dropping those samples, then save it again")
+
+
 def archive_kind(path: str) -> str:
     """What a file's first bytes say it is: "npz" (a zip archive, as np.savez writes), "npy"
     (one array, np.save), or what anything else is, as a phrase ("it is empty", "it holds text",
-    "it is some other binary file").  Read errors are left to the caller's np.load."""
+    "it is some other binary file").  Only a regular file is opened (never a FIFO or a device);
+    read errors are left to the caller's reader."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    except OSError:
-        return "npz"  # let np.load report it
+        head = read_head(path, 512)
+    except ReadError:
+        return "npz"  # let the reader report it
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return "npz"
     if head.startswith(b"\x93NUMPY"):
@@ -330,7 +448,7 @@ def archive_kind(path: str) -> str:
 
 
 def own_words(e: BaseException) -> str:
-    """An exception from np.load in our words: numpy's advice to load a file unsafely
+    """An exception from a reader in our words: numpy's advice to load a file unsafely
     (`allow_pickle=`) is never the fix here, since streamsched never unpickles."""
     msg = str(e)
     if "pickle" in msg.lower():
@@ -338,45 +456,47 @@ def own_words(e: BaseException) -> str:
     return msg or type(e).__name__
 
 
-def _load_npz(path: str, span: Span | None) -> Dataset:
-    """An .npz archive, already checked to be a file by check_source."""
-    keys = ("x_train", "y_train", "x_test", "y_test")
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def _load_npz(path: str, span: Span | None, budget: _Budget | None = None) -> Dataset:
+    """An .npz archive, already checked to be a regular file by check_source; read with
+    reads.read_npz (bounded, never unpickled)."""
+    budget = budget or _Budget(data_limit())
     bad_file = "the file must be written by np.savez or np.savez_compressed"
     kind = archive_kind(path)
-    if kind not in ("npz", "npy"):
+    if kind == "npy":
+        raise _err("X003", f"npz: `{path}` holds a single array, not an .npz archive", span,
+                   help="save with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
+    if kind != "npz":
         # np.load would take it for a pickle and suggest allow_pickle; streamsched never unpickles.
         raise _err("X003", f"npz: `{path}` is not an .npz archive ({kind})", span, help=bad_file)
     try:
-        z = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        raise _err("X003", f"npz: `{path}` is not a readable .npz archive ({own_words(e)})", span,
-                   help=bad_file) from None
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise _err("X003", f"npz: `{path}` holds a single array, not an .npz archive", span,
-                   help="save with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
-    with z:
-        missing = [k for k in keys if k not in z.files]
-        if missing:
-            raise _err("X003", f"npz: `{path}` lacks key{'s' if len(missing) > 1 else ''} "
-                       f"{', '.join(missing)} (it has: {', '.join(z.files) or 'nothing'})", span,
-                       help="the archive needs x_train, y_train, x_test, y_test")
-        a = {}
-        for k in keys:
-            try:
-                a[k] = z[k]
-            except ValueError as e:
-                if "pickle" in str(e).lower():
-                    raise _err("X003", f"npz: `{k}` in `{path}` is an object (pickled) array; "
-                               "streamsched never unpickles data", span,
-                               help="store plain numeric arrays: x as float, y as integer class indices") from None
-                raise _err("X003", f"npz: cannot read `{k}` from `{path}`: {own_words(e)}", span,
-                           help=bad_file) from None
-            except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-                raise _err("X003", f"npz: cannot read `{k}` from `{path}`: {e}", span, help=bad_file) from None
+        names, a = read_npz(path, budget.left, NPZ_KEYS)
+    except ReadError as e:
+        if e.why == "too_large":
+            raise _err("X014", f"npz: `{path}` {e.message}", span,
+                       help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the data "
+                            "really is that large") from None
+        if e.why in ("missing", "not_regular"):
+            raise _err("X002", f"npz: data file `{path}` {e.message}", span) from None
+        if e.why == "pickle":
+            key = next((k for k in NPZ_KEYS if f"`{k}`" in e.message), "an array")
+            raise _err("X003", f"npz: `{key}` in `{path}` is an object (pickled) array; streamsched never "
+                       "unpickles data", span,
+                       help="store plain numeric arrays: x as float, y as integer class indices") from None
+        raise _err("X003", f"npz: `{path}` {e.message}", span, help=bad_file) from None
+    missing = [k for k in NPZ_KEYS if k not in a]
+    if missing:
+        raise _err("X003", f"npz: `{path}` lacks key{'s' if len(missing) > 1 else ''} "
+                   f"{', '.join(missing)} (it has: {', '.join(names) or 'nothing'})", span,
+                   help="the archive needs x_train, y_train, x_test, y_test")
+    budget.used += sum(v.nbytes for v in a.values())
     for k in ("x_train", "x_test"):
         if a[k].dtype.kind not in "biuf" or a[k].ndim < 2:
             raise _err("X003", f"npz: `{k}` must be a numeric array [samples, features...], got "
                        f"{a[k].dtype} with shape {a[k].shape}", span)
+        check_finite(a[k], f"npz: `{k}` in `{path}`", span)
         a[k] = a[k].astype(np.float32)
     return _make_dataset(a["x_train"], a["y_train"], a["x_test"], a["y_test"], f"npz({path})", span, "npz")
 

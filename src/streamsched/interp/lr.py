@@ -10,6 +10,16 @@ Formulas (v: peak rate, T: total_steps, W: warmup steps, p: decay progress)::
     cosine(v, warmup = 0, min = 0.0)  lr(t) = min + (v - min) * (1 + cos(pi * p)) / 2
     linear(v, warmup = 0)             lr(t) = v * (1 - p)
 
+A run resumed with another length keeps its schedule continuous (`Schedule.continued`): from
+a = max(t0, W), t0 the resume step, the decay that had reached p_a = min(1, (a - W) / (T0 - W))
+under the checkpoint's length T0 goes on to 1 at the new length T, linearly in t:
+p(t) = p_a + (1 - p_a) (t - a) / (T - a); before a the checkpoint's plan holds.  So the rate at
+the resume step is the one the interrupted run would have used, and a longer run does not
+restart the cosine.  With T = T0 this is the unchanged plan (and is computed as such).
+
+A warm-up longer than the run is clipped to the run's length when asked (`clip_warmup`): the
+run then only warms up, reaching v at its last step.
+
 The cosine branch is the annealing curve of SGDR (Loshchilov & Hutter, "SGDR: Stochastic
 Gradient Descent with Warm Restarts", ICLR 2017, eq. 5) without restarts, the same formula as
 PyTorch's `torch.optim.lr_scheduler.CosineAnnealingLR` with T_max = T - W and eta_min = min:
@@ -20,7 +30,7 @@ Bad names or arguments are StreamschedError X004.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
@@ -42,12 +52,17 @@ class Schedule:
     """A learning-rate schedule: `sched(t)` is the rate at global step t (0-based), a float.
 
     name: a key of `SCHEDULES`; params: the bound arguments as (name, value) pairs;
-    total_steps: the run's length T (epochs * steps per epoch).
+    total_steps: the run's length T (epochs * steps per epoch); warmup_clipped_from: the warmup
+    the file asked for when it was clipped to T, else None; resume: when the schedule
+    continues a checkpoint's plan over a new length (see the module docstring), with T0 the
+    length of the first plan, as (a, p_a, T0); else None.
     """
 
     name: str
     params: tuple[tuple[str, Any], ...]
     total_steps: int
+    warmup_clipped_from: int | None = None
+    resume: tuple[int, float, int] | None = None
 
     def __call__(self, t: int) -> float:
         if t < 0:
@@ -61,32 +76,58 @@ class Schedule:
         w = int(p["warmup"])
         if t < w:
             return v * (t + 1) / w
-        progress = min(1.0, (t - w) / max(1, self.total_steps - w))
+        progress = self._progress(t)
         if self.name == "cosine":
             lo = float(p["min"])
             return lo + (v - lo) * (1.0 + math.cos(math.pi * progress)) / 2.0
         return v * (1.0 - progress)  # linear
 
+    def _progress(self, t: int) -> float:
+        """The decay's progress p at step t >= warmup: the plan's own, or its continuation."""
+        w = int(dict(self.params)["warmup"])
+        if self.resume is None or t < self.resume[0]:
+            total = self.total_steps if self.resume is None else self.resume[2]
+            return min(1.0, max(0.0, (t - w) / max(1, total - w)))
+        a, pa, _ = self.resume
+        return min(1.0, pa + (1.0 - pa) * (t - a) / max(1, self.total_steps - a))
+
     def __str__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.params)})"
+
+    def continued(self, t0: int, total_steps: int) -> "Schedule":
+        """This schedule (planned for self.total_steps) resumed at step t0 in a run of
+        total_steps steps: equal to self before max(t0, warmup), then decaying to the end of the
+        new length (module docstring).  The same length gives self unchanged."""
+        if self.name in ("constant", "step"):  # functions of t alone
+            return replace(self, total_steps=int(total_steps))
+        if total_steps == self.total_steps:
+            return self
+        a = max(int(t0), int(dict(self.params)["warmup"]))
+        first_plan = self.resume[2] if self.resume is not None else self.total_steps
+        return Schedule(self.name, self.params, int(total_steps), self.warmup_clipped_from,
+                        (a, self._progress(a), first_plan))
 
 
 def _err(message: str, span: Span | None, help: str = "") -> StreamschedError:
     return StreamschedError([Diagnostic("X004", message, span=span, help=help)])
 
 
-def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: Span | None = None) -> Schedule:
+def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: Span | None = None, *,
+                  clip_warmup: bool = False) -> Schedule:
     """Build the schedule `name(*args, **kwargs)` for a run of total_steps steps.
 
     args/kwargs: the literal arguments from the `lr = ...` line; span: that line, put on every
-    diagnostic.  Returns a `Schedule` (callable: step -> float).  Raises StreamschedError X004 for
-    an unknown name, an unknown/missing/repeated argument, or a value out of range (v < 0,
-    every < 1, gamma <= 0, warmup < 0 or > total_steps, min outside [0, v]).
+    diagnostic; clip_warmup: a warmup longer than the run is clipped to total_steps (recorded in
+    `warmup_clipped_from`, for the caller's notice) instead of refused.  Returns a `Schedule`
+    (callable: step -> float).  Raises StreamschedError X004 for an unknown name, an
+    unknown/missing/repeated argument, or a value out of range (v < 0, every < 1, gamma <= 0,
+    warmup < 0, or > total_steps unless clipped, min outside [0, v]).
     """
     if name not in _PARAMS:
         raise _err(f"unknown learning-rate schedule `{name}`; known: {', '.join(SCHEDULES)}", span,
                    help=f"{_did_you_mean(name, SCHEDULES)}e.g. `lr = cosine(0.1, warmup = 50)`")
     a = bind_args(name, _PARAMS[name], args, kwargs, span)
+    clipped = None
     if not _is_int(total_steps) or total_steps < 1:
         raise _err(f"the run has {total_steps} steps; a learning-rate schedule needs at least 1", span,
                    help="check `epochs` and the batch size")
@@ -101,10 +142,13 @@ def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: 
     if "warmup" in a:
         if not _is_int(a["warmup"]) or a["warmup"] < 0:
             raise _err(f"{name}: `warmup` must be a non-negative whole number of steps, got {a['warmup']!r}", span)
-        if a["warmup"] > total_steps:
+        if a["warmup"] > total_steps and clip_warmup:
+            clipped = int(a["warmup"])
+            a["warmup"] = int(total_steps)
+        elif a["warmup"] > total_steps:
             raise _err(f"{name}: warmup of {a['warmup']} steps is longer than the run ({total_steps} steps)", span,
                        help="shorten the warmup or train for more epochs")
     if "min" in a and (not _is_number(a["min"]) or not 0 <= a["min"] <= a["v"]):
         raise _err(f"cosine: `min` must be a number between 0 and the peak rate {a['v']}, got {a['min']!r}", span)
     params = tuple((k, a[k]) for k, _ in _PARAMS[name])
-    return Schedule(name, params, int(total_steps))
+    return Schedule(name, params, int(total_steps), clipped)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,10 +22,15 @@ import numpy as np
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl.resolve import CallValue
 from streamsched.interp.barriers import plan_segments
-from streamsched.interp.checkpoint import check_arrays, check_meta, load_checkpoint, save_checkpoint
-from streamsched.interp.data import Batches, check_compatible, load_dataset
+from streamsched.interp.checkpoint import save_checkpoint
+from streamsched.interp.cpu_threads import blas_threads, choose_threads
+from streamsched.interp.data import Batches, check_compatible, data_paths, load_dataset
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import make_schedule
+from streamsched.interp.resume import (Resumed, changes, load_for_resume, load_weights, lr_meta, resume_command,
+                                       schedule_from_meta)
+from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, holder_info, new_run_id, open_log,
+                                 remove_stale_temps)
 from streamsched.pipeline import Compiled
 from streamsched.stdlib.kernels import KERNELS, numpy_dtype
 
@@ -39,7 +46,15 @@ class TaskFailedError(Exception):
 
 @dataclass
 class TrainOptions:
-    """Command-line overrides of the `train` block (None keeps the file's value)."""
+    """Command-line overrides of the `train` block (None keeps the file's value), and how to run.
+
+    resume: continue from a checkpoint (every array must fit the program; other changes are
+    listed in a note); resume_weights: load only the model's parameters from a checkpoint and
+    start training afresh (fine-tuning); threads: BLAS threads (None: cpu_threads' rule);
+    data_limit: bytes the data and checkpoints may hold (None: reads.data_limit()); protect: more
+    files no output may overwrite (the program's includes); argv: the command line after
+    `streamsched`, for the exact resume command printed on an interrupt or divergence; progress:
+    the progress bar (on a terminal) and one line per epoch on stderr."""
 
     epochs: int | None = None
     lr: float | None = None
@@ -50,16 +65,21 @@ class TrainOptions:
     log: str | None = None
     save: str | None = None
     resume: str | None = None
+    resume_weights: str | None = None
     max_steps: int | None = None
     progress: bool = True
     detect_races: bool = True
     eval_every: int = 1
+    threads: int | None = None
+    data_limit: int | None = None
+    protect: tuple[str, ...] = ()
+    argv: tuple[str, ...] | None = None
 
 
 @dataclass
 class TrainResult:
-    """What a run produced: per-epoch records (the JSON-lines log), the final parameters (host
-    copies, name -> ndarray) and the backend used."""
+    """What a run produced: per-epoch records (the JSON-lines log; epochs numbered from 1), the
+    final parameters (host copies, name -> ndarray) and the backend used."""
 
     history: list[dict] = field(default_factory=list)
     params: dict[str, np.ndarray] = field(default_factory=dict)
@@ -72,10 +92,23 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)
     """Things the user should know about a run that worked (the CLI prints each as `note: ...`),
     e.g. that `--save` wrote no checkpoint because `--steps` stopped inside the first epoch."""
+    run_id: str = ""
+    threads: int = 1
 
     @property
     def final_accuracy(self) -> float:
         return self.history[-1]["test_acc"] if self.history else float("nan")
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run; the checkpoint and log hold every whole epoch before.
+    signum: the signal; lines: what to tell the user (where it stopped, what the checkpoint
+    holds, the exact command that resumes)."""
+
+    def __init__(self, signum: int, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.signum = signum
+        self.lines = lines
 
 
 def _x(code: str, msg: str, span=None, help: str = "") -> StreamschedError:
@@ -327,39 +360,6 @@ def _whole_number(value: Any, name: str, span, *, minimum: int, flag: str | None
              help=f"write e.g. `{flag + ' ' if flag else name + ' = '}{example}`")
 
 
-def _check_output(path: Any, noun: str, flag: str | None, span, program_path: str | None, *, append: bool) -> str:
-    """Refuse, before any training, an output file that cannot be written: a folder, a file in a
-    folder that does not exist or cannot be written, or the program's own .sched file.
-    noun: "the checkpoint", "the log"; flag: the command-line option it came from, None for the
-    train block (then span is its line); append: the file is appended to (a log), else replaced
-    atomically (a checkpoint).  Returns the path."""
-    if not isinstance(path, str) or not path:
-        raise _x("X004", f"{flag or '`log`'} needs a file name, got {path!r}", span,
-                 help=f"e.g. `{flag} run.out`" if flag else 'write e.g. `log = "run.jsonl"`')
-    full = os.path.abspath(os.path.expanduser(path))
-    parent = os.path.dirname(full)
-    origin = f" ({flag})" if flag else ""
-
-    def fail(why: str, help: str) -> StreamschedError:
-        return _x("X021", f"cannot write {noun} `{path}`{origin}: {why}", span, help=help)
-
-    if os.path.isdir(full):
-        example = os.path.join(path, "run.jsonl" if append else "run.npz")
-        raise fail("it is a folder", f"name a file in it, e.g. `{example}`")
-    if not os.path.isdir(parent):
-        why = f"the folder `{parent}` does not exist" if not os.path.exists(parent) else f"`{parent}` is not a folder"
-        raise fail(why, "create the folder first, or name a file in an existing folder")
-    exists = os.path.exists(full)
-    if append and exists:  # a log grows in place
-        if not os.access(full, os.W_OK):
-            raise fail("the file is not writable", "name another file, or make it writable")
-    elif not os.access(parent, os.W_OK | os.X_OK):  # a new file, or a checkpoint replaced via a temporary
-        raise fail(f"the folder `{parent}` is not writable", "name a file in a folder you can write to")
-    if exists and program_path and os.path.exists(program_path) and os.path.samefile(full, program_path):
-        raise fail("it is the program being run", "name another file; the .sched file is never overwritten")
-    return path
-
-
 def setting_dir(span, default: str) -> str:
     """The folder a path written at `span` is relative to: the folder of the file that wrote it
     (an included file's own folder), else `default` (the top file's)."""
@@ -368,15 +368,44 @@ def setting_dir(span, default: str) -> str:
     return default
 
 
-def check_train_settings(program) -> list[Diagnostic]:
+
+
+def _run_inputs(program, opts: TrainOptions, data: tuple, data_base: str) -> list[tuple[str, str]]:
+    """Every file the run reads, as (path, what it is), so that no output overwrites one."""
+    dname, dargs, dkw = data
+    out = [(program.path, "the program being run")]
+    out += [(p, "a file the program includes") for p in opts.protect if p]
+    out += [(p, f"a data file of `data = {dname}(...)`") for p in data_paths(dname, dargs, dkw, base_dir=data_base)]
+    if opts.resume:
+        out.append((opts.resume, "the checkpoint given to --resume"))
+    if opts.resume_weights:
+        out.append((opts.resume_weights, "the checkpoint given to --resume-weights"))
+    return out
+
+
+def _log_output(tv: dict, spans: dict, flag_value, base_dir: str, inputs) -> Output | None:
+    """The log of a run: --log (relative to the current folder), else the train block's `log`
+    (relative to the .sched file that writes it), checked as an output (X004, X021)."""
+    if flag_value:
+        return check_output(flag_value, "log", noun="the log", origin="--log", inputs=inputs, append=True)
+    if tv.get("log") is None:
+        return None
+    log_v = tv["log"]
+    if isinstance(log_v, str) and log_v:
+        log_v = os.path.join(setting_dir(spans.get("log"), base_dir), os.path.expanduser(log_v))
+    return check_output(log_v, "log", noun="the log", span=spans.get("log"), inputs=inputs, append=True)
+
+
+def check_train_settings(program, includes: tuple[str, ...] = ()) -> list[Diagnostic]:
     """What `streamsched check` can say about the `train` block without loading data or
     training, with the very checks `train` runs, so that `check` refuses every value `run` would
     refuse, with the same code and span: whole-number epochs and seed, a known data source whose
     arguments bind and are in range and whose file or folder exists (data.check_source), a known
-    learning-rate schedule with valid arguments (its warmup against the run's length when the
-    data's size is known without reading it: `digits`), and a `log` that names a file that can
-    be written (X001, X002, X004, X021)."""
-    from streamsched.interp.data import check_source, digits_train_samples
+    learning-rate schedule with valid arguments (a warmup longer than the run is clipped by
+    `run`, not refused), and a `log` that names a file that may be written (outputs.check_output:
+    not the program, an include or a data file, not a file of another kind) (X001, X002, X004,
+    X021)."""
+    from streamsched.interp.data import check_source
 
     tv = dict(program.train)
     spans = dict(program.train_spans)
@@ -390,34 +419,56 @@ def check_train_settings(program) -> list[Diagnostic]:
             diags.extend(e.diagnostics)
             return None
 
-    epochs = attempt(lambda: _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None))
+    attempt(lambda: _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None))
     if "seed" in tv:
         attempt(lambda: _whole_number(tv["seed"], "seed", spans.get("seed"), minimum=0, flag=None))
-    dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
+    data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
     dspan = spans.get("data")
-    bound = attempt(lambda: check_source(dname, dargs, dkw, base_dir=setting_dir(dspan, top), span=dspan))
-    total = 10 ** 9  # the run's length, unknown until the data is read
-    m = program.model
-    if dname == "digits" and bound is not None and epochs is not None and m is not None and m.batch:
-        spe = digits_train_samples(bound["test"]) // m.batch
-        if spe >= 1:  # (a batch larger than the data is X006 when run reads it)
-            total = epochs * spe
+    data_base = setting_dir(dspan, top)
+    attempt(lambda: check_source(*data, base_dir=data_base, span=dspan))
     lname, largs, lkw = _call(tv.get("lr", 0.1), "constant")
-    attempt(lambda: make_schedule(lname, largs, lkw, total, spans.get("lr")))
-    if tv.get("log") is not None:
-        log_v = tv["log"]
-        if isinstance(log_v, str) and log_v:
-            log_v = os.path.join(setting_dir(spans.get("log"), top), os.path.expanduser(log_v))
-        attempt(lambda: _check_output(log_v, "the log", None, spans.get("log"), program.path, append=True))
+    attempt(lambda: make_schedule(lname, largs, lkw, 10 ** 9, spans.get("lr")))
+    inputs = _run_inputs(program, TrainOptions(protect=tuple(includes)), data, data_base)
+    attempt(lambda: _log_output(tv, spans, None, top, inputs))
     return diags
+
+
+DIVERGE_UNIFORM = 10.0
+"""An epoch whose mean training loss is above this many times ln(classes) has diverged."""
+DIVERGE_BEST = 4.0
+"""An epoch whose mean training loss is above this many times the best epoch's so far, and above
+ln(classes), has diverged."""
+
+
+def divergence(loss: float, best: float | None, classes: int) -> str | None:
+    """The divergence rule for a finite epoch loss (docs/data.md, "Divergence"): why the epoch
+    whose mean training loss is `loss` has diverged, or None when it has not.  ln(classes) is the
+    cross-entropy of guessing uniformly, the loss an untrained model starts near; a run whose loss
+    is ten times that has blown up (lr = 1e6 reaches 1e29), and one that climbs from its best
+    epoch to four times that and past uniform guessing has lost what it learned.  best: the
+    lowest mean loss of the earlier epochs (resumed ones included), None for the first."""
+    if classes < 2 or not math.isfinite(loss):
+        return None
+    uniform = math.log(classes)
+    if loss > DIVERGE_UNIFORM * uniform:
+        return (f"above {DIVERGE_UNIFORM:g} x ln({classes}) = {DIVERGE_UNIFORM * uniform:.4g}, ten times the loss "
+                f"of guessing uniformly")
+    if best is not None and loss > DIVERGE_BEST * best and loss > uniform:
+        return (f"above {DIVERGE_BEST:g} times the best epoch's {best:.4g}, and above ln({classes}) = {uniform:.4g}, "
+                f"the loss of guessing uniformly")
+    return None
 
 
 def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str = ".",
           echo: Callable[[str], None] | None = None) -> TrainResult:
     """Run the training loop of a compiled program; returns the history and final parameters.
 
-    Raises StreamschedError (X codes) for bad data, options, checkpoints and for a diverging
-    run (X010: the loss became NaN or infinite; the last good checkpoint is kept).
+    Before any work: the settings, then every output (outputs.check_output: `--save`, the log;
+    none is an input of the run, a file of another kind, or the other output), then their locks
+    (X009 when another run holds one), then the data (bounded, finite).  Raises StreamschedError
+    (X codes) for bad data, options, outputs and checkpoints and for a diverging run (X010: the
+    loss became NaN or infinite, or an epoch's loss broke the divergence rule; no checkpoint of
+    that epoch is written, the last good one is named); TrainInterrupted on SIGINT/SIGTERM.
     """
     opts = opts or TrainOptions()
     echo = echo or (lambda s: print(s, file=sys.stderr))
@@ -453,178 +504,481 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     if opts.max_steps is not None:
         _whole_number(opts.max_steps, "steps", None, minimum=0, flag="--steps")
     _whole_number(opts.interleave_seed, "seed", None, minimum=0, flag="--interleave-seed")
+    if opts.threads is not None:
+        _whole_number(opts.threads, "threads", None, minimum=1, flag="--threads")
     if opts.lr is not None and (isinstance(opts.lr, bool) or not isinstance(opts.lr, (int, float))
                                 or not math.isfinite(opts.lr) or opts.lr < 0):
         raise _x("X004", f"--lr must be a non-negative number, got {opts.lr!r}", help="e.g. `--lr 0.05`")
-    save = _check_output(opts.save, "the checkpoint", "--save", None, program.path, append=False) if opts.save else None
-    if opts.log:
-        log = _check_output(opts.log, "the log", "--log", None, program.path, append=True)
-    elif tv.get("log") is not None:  # the train block's `log = "run.jsonl"`, relative to the .sched file
-        log_v = tv["log"]
-        if isinstance(log_v, str) and log_v:
-            log_v = os.path.join(setting_dir(spans.get("log"), base_dir), os.path.expanduser(log_v))
-        log = _check_output(log_v, "the log", None, spans.get("log"), program.path, append=True)
-    else:
-        log = None
-    dname, dargs, dkw = _call(tv.get("data", CallValue("digits", (), ())), "digits")
-    ds = load_dataset(dname, dargs, dkw, base_dir=setting_dir(spans.get("data"), base_dir), span=spans.get("data"))
-    feat, lab = _input_names(program)
-    in_shape = next(s for n, s, _ in m.inputs if n == feat)
-    lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
-    classes = dict((b.name, b.shape) for b in program.buffers).get(m.logits, (0, 0))[-1]
-    ds = _fit_samples(ds, in_shape)
-    check_compatible(ds, in_shape, lab_dtype, classes, spans.get("data"))
-    batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"))
-    spe = batches.steps_per_epoch
-    total = epochs * spe
-    if opts.lr is not None:
-        lr_sched = make_schedule("constant", (opts.lr,), {}, total)
-    else:
-        lname, largs, lkw = _call(tv.get("lr", 0.1), "constant")
-        lr_sched = make_schedule(lname, largs, lkw, total, spans.get("lr"))
-
-    runner = make_runner(compiled, opts)
-    state = {**init_params(program, seed)}
-    for name, v in state.items():
-        runner.write(name, v)
-    start_epoch = 0
-    result = TrainResult(backend=runner.name)
-    expected_meta = {"program": program.text_hash, "model": m.name, "seed": seed, "steps_per_epoch": spe}
-    if opts.resume:
-        arrays, meta = load_checkpoint(opts.resume)
-        check_meta(meta, expected_meta)
-        check_arrays(arrays, _checkpoint_layout(program), opts.resume)
-        for name, v in arrays.items():
-            runner.write(name, v)
-        start_epoch = int(meta["epoch"]) + 1
-        result.history = list(meta.get("history", []))
-        echo(f"resumed from {opts.resume} after epoch {start_epoch}")
-        if start_epoch >= epochs:
-            result.note = (f"the checkpoint `{opts.resume}` already holds all {epochs} epoch"
-                           f"{'s' if epochs != 1 else ''}; give a larger --epochs to train further")
-    if opts.max_steps == 0 and not result.note:
-        result.note = "--steps 0"
-    saved = [n for n, _ in program.inits]
-
-    # host work: batches into staging slots, scalars into pinned buffers
-    cur = {"k": -1}
-    order_cache: dict[int, np.ndarray] = {}
-
-    def batch_at(j: int) -> tuple[np.ndarray, np.ndarray]:
-        e, i = divmod(min(j, total - 1) if j >= total else j, spe)
-        if e not in order_cache:
-            order_cache.clear()
-            order_cache[e] = batches.order(e)
-        sel = order_cache[e][i * batches.batch:(i + 1) * batches.batch]
-        return batches.x[sel], batches.y[sel]
-
-    def host_fn(task: Task, arrays: dict) -> None:
-        if task.kernel == "stage":
-            xb, yb = batch_at(cur["k"] + task.attr("ahead", 0))
-            arrays[task.outs[0]][...] = xb if task.attr("field") == feat else yb
-        elif task.kernel == "set_scalar":
-            name = task.attr("name")
-            k = max(cur["k"], 0)
-            arrays[task.outs[0]][...] = lr_sched(k) if name == "lr" else float(k + 1)
-
-    plan = compiled.plan
-    steps_run = 0
-    saved_epoch = None  # the last epoch this run wrote a checkpoint for
+    if opts.resume and opts.resume_weights:
+        raise _x("X004", "--resume and --resume-weights exclude each other",
+                 help="--resume continues a run (its optimizer state, epochs and learning rate too); "
+                      "--resume-weights starts a new run from a checkpoint's parameters: give one of them")
+    data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
+    data_base = setting_dir(spans.get("data"), base_dir)
+    inputs = _run_inputs(program, opts, data, data_base)
+    save = check_output(opts.save, "checkpoint", noun="the checkpoint", origin="--save", inputs=inputs,
+                        replaceable=(opts.resume,)) if opts.save else None
+    log = _log_output(tv, spans, opts.log, base_dir, inputs)
+    check_distinct([save, log])
+    run_id = new_run_id()
+    holder = holder_info(run_id, ["streamsched", *opts.argv] if opts.argv else None)
+    locks: list[OutputLock] = []
     try:
-        log_f = open(log, "a", encoding="utf-8") if log else None
-    except OSError as exc:
-        raise _x("X021", f"cannot write the log `{log}`: {exc.strerror or exc}", None if opts.log else spans.get("log"),
-                 help="name a file in a folder you can write to") from None
-    t0 = time.perf_counter()
-    bar = None
-    if opts.progress:
+        for out in (save, log):
+            if out is not None:
+                lock = OutputLock(out, holder)
+                lock.acquire()
+                locks.append(lock)
+        if save is not None:
+            gone = remove_stale_temps(save.full)
+            if gone:
+                echo(f"note: removed {len(gone)} temporary file{'s' if len(gone) != 1 else ''} that a killed run "
+                     f"left next to `{save.path}`: {', '.join(gone)}")
+        return _Run(compiled, opts, echo, run_id, seed, epochs, data, data_base, save, log).go()
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+class _Run:
+    """One training run once its settings and outputs are checked and locked: the data, the
+    runner, the step loop and its bookkeeping (records, log, checkpoints, divergence,
+    feedback).  The step loop itself stays a few lines (`go`); what happens after each step is
+    `after_step`, after each epoch `end_epoch`."""
+
+    def __init__(self, compiled: Compiled, opts: TrainOptions, echo, run_id: str, seed: int, epochs: int,
+                 data: tuple, data_base: str, save: Output | None, log: Output | None):
+        self.c, self.opts, self.echo, self.run_id = compiled, opts, echo, run_id
+        self.program, self.m = compiled.program, compiled.program.model
+        self.seed, self.epochs, self.data, self.data_base = seed, epochs, data, data_base
+        self.save, self.log = save, log
+        self.spans = dict(self.program.train_spans)
+        self.result = TrainResult(run_id=run_id)
+        self.saved_epoch: int | None = None  # the last epoch (from 1) this run wrote a checkpoint of
+        self.resumed: Resumed | None = None
+        self.steps_run = 0
+        self.epoch_now = 0  # the epoch (from 1) in progress
+        self.losses: list[float] = []
+        self.bar = None
+        self.log_f = None
+
+    # ---- setup
+
+    def load_data(self):
+        m = self.m
+        dname, dargs, dkw = self.data
+        ds = load_dataset(dname, dargs, dkw, base_dir=self.data_base, span=self.spans.get("data"),
+                          limit=self.opts.data_limit)
+        feat, lab = _input_names(self.program)
+        in_shape = next(s for n, s, _ in m.inputs if n == feat)
+        lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
+        self.classes = dict((b.name, b.shape) for b in self.program.buffers).get(m.logits, (0, 0))[-1]
+        ds = _fit_samples(ds, in_shape)
+        check_compatible(ds, in_shape, lab_dtype, self.classes, self.spans.get("data"))
+        self.ds, self.feat = ds, feat
+        self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"))
+        self.spe = self.batches.steps_per_epoch
+
+    def lr_request(self) -> tuple[str, tuple, dict, Any]:
+        if self.opts.lr is not None:
+            return "constant", (self.opts.lr,), {}, None
+        lname, largs, lkw = _call(dict(self.program.train).get("lr", 0.1), "constant")
+        return lname, largs, lkw, self.spans.get("lr")
+
+    def plan_lr(self, total: int) -> None:
+        """The learning-rate schedule over absolute steps 0..total-1: the file's (or --lr), with a
+        warmup longer than the run clipped (a note says so); when resuming with the very schedule
+        the checkpoint was planned with, that plan continued by absolute step."""
+        lname, largs, lkw, span = self.lr_request()
+        sched = make_schedule(lname, largs, lkw, total, span, clip_warmup=True)
+        self.lr_continues = False
+        self.lr_requested = (f"--lr {self.opts.lr:g}" if self.opts.lr is not None else
+                             str(make_schedule(lname, largs, lkw, 10 ** 12, span)))
+        if self.resumed is not None:
+            old = schedule_from_meta(self.resumed.meta.get("lr"))
+            same = isinstance(self.resumed.meta.get("lr"), dict) and \
+                self.resumed.meta["lr"].get("requested") == self.lr_requested
+            if old is not None and same:
+                sched = old.continued(self.resumed.step, total)
+                self.lr_continues = total != old.total_steps
+        if sched.warmup_clipped_from is not None and not (self.resumed and sched.resume):
+            self.echo(f"note: the warmup of {sched.warmup_clipped_from} steps is longer than this run "
+                      f"({total} steps); it is clipped to {total} steps")
+        self.lr_sched = sched
+
+    def start(self, runner) -> None:
+        """Initial values, then the checkpoint: --resume (every array, where the run stopped) or
+        --resume-weights (the parameters only)."""
+        program, opts = self.program, self.opts
+        state = init_params(program, self.seed)
+        layout = _checkpoint_layout(program)
+        if opts.resume:
+            self.resumed = load_for_resume(opts.resume, layout, opts.data_limit)
+            state.update(self.resumed.arrays)
+            self.result.history = list(self.resumed.history)
+        elif opts.resume_weights:
+            params, meta = load_weights(opts.resume_weights, program, layout, opts.data_limit)
+            state.update(params)
+            bufs = {b.name: b for b in program.buffers}
+            for name, init in program.inits:  # EMA and f32 masters start at the loaded parameter
+                if init.startswith("copy:") and init[5:] in params:
+                    state[name] = params[init[5:]].astype(numpy_dtype(bufs[name].dtype))
+            self.echo(f"note: loaded the {len(params)} parameter{'s' if len(params) != 1 else ''} of `{self.m.name}` "
+                      f"from `{opts.resume_weights}`" + (f" (epoch {meta['epoch']} of run {meta['run']})"
+                                                         if meta.get("run") and meta.get("format", 1) >= 2 else "")
+                      + "; the optimizer state, statistics and epoch count start afresh")
+        for name, v in state.items():
+            runner.write(name, v)
+        self.saved = [n for n, _ in program.inits]
+
+    def resume_notes(self, total: int) -> None:
+        r = self.resumed
+        now = {"program": self.program.text_hash, "model": self.m.name, "data": self.ds.name, "seed": self.seed,
+               "epochs": self.epochs, "steps_per_epoch": self.spe, "lr": self.lr_requested}
+        changed = changes(r.meta, now)
+        msg = f"resumed from `{r.path}` after epoch {r.epochs_done} (step {r.step})"
+        if changed:
+            msg += "; changed since it was written: " + ", ".join(changed)
+        self.echo(msg)
+        s = self.lr_sched
+        if self.lr_continues and self.start_epoch < self.epochs:
+            self.echo(f"note: the learning rate continues from step {r.step} ({s(r.step):.6g}) and now decays "
+                      f"until step {total}, the end of this run")
+        if self.start_epoch >= self.epochs:
+            self.result.note = (f"the checkpoint `{r.path}` already holds all {self.epochs} epoch"
+                                f"{'s' if self.epochs != 1 else ''}; give a larger --epochs to train further")
+
+    # ---- the loop
+
+    def go(self) -> TrainResult:
+        opts, program, m = self.opts, self.program, self.m
+        self.load_data()
+        runner = make_runner(self.c, opts)
+        self.runner = runner
+        self.result.backend = runner.name
+        threads, note = choose_threads(opts.threads, self.c.schedule)
+        self.result.threads = threads
+        if note:
+            self.echo(f"note: {note}")
+        self.start(runner)
+        spe = self.spe
+        self.start_epoch = self.resumed.epochs_done if self.resumed else 0
+        self.base_step = self.resumed.step if self.resumed else 0  # absolute steps before this run
+        total = self.base_step + max(0, self.epochs - self.start_epoch) * spe  # the run's end, absolute
+        self.plan_lr(max(total, 1))
+        if self.resumed:
+            self.resume_notes(total)
+        if opts.max_steps == 0 and not self.result.note:
+            self.result.note = "--steps 0"
+        self.local_total = max(0, self.epochs - self.start_epoch) * spe
+        self.best = min((r["train_loss"] for r in self.result.history
+                         if isinstance(r.get("train_loss"), (int, float)) and math.isfinite(r["train_loss"])),
+                        default=None)
+        try:
+            self.log_f = open_log(self.log) if self.log else None
+            self.t0 = time.perf_counter()
+            self.open_bar()
+            if opts.progress and self.local_total:
+                self.say(f"run {self.run_id}: model `{m.name}` on {runner.name} ({threads} BLAS thread"
+                         f"{'s' if threads != 1 else ''}), epochs {self.start_epoch + 1}-{self.epochs} of {spe} "
+                         f"steps")
+            with blas_threads(threads), _quiet_numpy():
+                self.loop(runner)
+            self.close(report=True)
+        except KeyboardInterrupt as exc:
+            raise TrainInterrupted(getattr(exc, "signum", signal.SIGINT), self.interrupted_lines(
+                getattr(exc, "signum", signal.SIGINT))) from None
+        finally:
+            self.close()
+        runner.sync()
+        self.result.params = {n: runner.read(n) for n in self.saved}
+        self.result.steps = self.steps_run
+        self.steps_note()
+        self.result.wall_s = time.perf_counter() - self.t0
+        self.result.races = runner.races
+        return self.result
+
+    def loop(self, runner) -> None:
+        opts, m, spe = self.opts, self.m, self.spe
+        segs = self.c.segments or plan_segments(self.c.plan)
+        self.cur = -1  # the step (of this run, from 0) whose host work runs
+        runner.run(segs.for_step(-1), self.host_fn)
+        for e in range(self.start_epoch, self.epochs):
+            if opts.max_steps is not None and self.steps_run >= opts.max_steps:
+                break  # (before any work: `--steps 0` runs, records and saves nothing)
+            self.epoch_now, self.losses, self.epoch_t0 = e + 1, [], time.perf_counter()
+            for i in range(spe):
+                if opts.max_steps is not None and self.steps_run >= opts.max_steps:
+                    break
+                k = (e - self.start_epoch) * spe + i
+                self.cur = k
+                runner.run(segs.for_step(k), self.host_fn)
+                loss = float(runner.read(m.loss))
+                self.after_step(k, loss)
+            runner.sync()
+            self.end_epoch(e)
+            if opts.max_steps is not None and self.steps_run >= opts.max_steps:
+                break
+
+    def host_fn(self, task: Task, arrays: dict) -> None:
+        """Host work: batches into staging slots, scalars into pinned buffers."""
+        if task.kernel == "stage":
+            xb, yb = self.batch_at(self.cur + task.attr("ahead", 0))
+            arrays[task.outs[0]][...] = xb if task.attr("field") == self.feat else yb
+        elif task.kernel == "set_scalar":
+            k = self.base_step + max(self.cur, 0)  # absolute: the schedule and Adam's t go on across resumes
+            arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
+
+    def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch of step j of this run (a prefetch past the end repeats the last batch)."""
+        j = min(j, self.local_total - 1) if j >= self.local_total else j
+        e, i = divmod(j, self.spe)
+        e += self.start_epoch
+        if getattr(self, "_order_epoch", None) != e:
+            self._order, self._order_epoch = self.batches.order(e), e
+        sel = self._order[i * self.batches.batch:(i + 1) * self.batches.batch]
+        return self.batches.x[sel], self.batches.y[sel]
+
+    def after_step(self, k: int, loss: float) -> None:
+        """Bookkeeping after step k of this run (from 0) whose loss was read: record it, stop on a
+        loss that is not finite, move the progress bar."""
+        self.losses.append(loss)
+        self.steps_run += 1
+        if not math.isfinite(loss):
+            lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
+            raise self.diverged(f"the loss became {loss} at step {self.base_step + k + 1} (epoch {self.epoch_now}/"
+                                f"{self.epochs}){lr_what}")
+        if self.bar is not None:
+            self.bar.update(1)
+            if k % 5 == 0:
+                self.bar.set_postfix(epoch=self.epoch_now, loss=f"{loss:.4f}")
+
+    def end_epoch(self, e: int) -> None:
+        """After epoch e (from 0): its record (evaluated on the test split), the divergence rule,
+        the log line, the checkpoint (whole epochs only), the per-epoch line."""
+        program, runner, spe = self.program, self.runner, self.spe
+        losses = self.losses
+        params = {n: runner.read(n) for n in self.saved}  # params and state (running statistics)
+        step = self.base_step + (e - self.start_epoch) * spe + len(losses)
+        rec = {"run": self.run_id, "epoch": e + 1, "step": step,
+               "train_loss": float(np.mean(losses)) if losses else float("nan"),
+               "lr": self.lr_sched(max(0, min(step - 1, self.lr_sched.total_steps - 1))),
+               "time_s": round(time.perf_counter() - self.t0, 3)}
+        if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
+            rec["loss_scale"] = float(runner.read(program.loss_scale))
+        if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1:
+            tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
+            rec.update(test_loss=tl, test_acc=acc)
+        why = divergence(rec["train_loss"], self.best, self.classes) if losses else None
+        if why:
+            rec["diverged"] = True
+        self.write_log(rec)
+        if why:
+            lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
+            raise self.diverged(f"training diverged in epoch {e + 1}/{self.epochs}{lr_what}: its train loss "
+                                f"{rec['train_loss']:.4g} is {why}")
+        self.result.history.append(rec)
+        if len(losses) == spe and math.isfinite(rec["train_loss"]):
+            self.best = rec["train_loss"] if self.best is None else min(self.best, rec["train_loss"])
+        if self.save and len(losses) == spe:  # only a whole epoch: a resume restarts at the next one
+            self.write_checkpoint(e + 1, step)
+        if self.bar is not None and "test_acc" in rec:
+            self.bar.set_postfix(epoch=e + 1, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
+        if self.opts.progress:
+            line = f"epoch {e + 1}/{self.epochs}: train loss {rec['train_loss']:.4f}"
+            if "test_acc" in rec:
+                line += f", test loss {rec['test_loss']:.4f}, test accuracy {100 * rec['test_acc']:.2f}%"
+            self.say(line + f", {time.perf_counter() - self.epoch_t0:.2f} s")
+
+    def write_log(self, rec: dict) -> None:
+        if self.log_f is None:
+            return
+        try:
+            self.log_f.write(json.dumps(rec) + "\n")
+            self.log_f.flush()
+        except OSError as exc:
+            raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
+                     help="the lines written before are kept; free space or name another file") from None
+
+    def write_checkpoint(self, epoch: int, step: int) -> None:
+        program, m = self.program, self.m
+        arrays = {n: self.runner.read(n) for n in self.saved}
+        layout = {n: [list(shape), np.dtype(dt).name if dt is not None else "bf16"]
+                  for n, (shape, dt) in _checkpoint_layout(program).items()}
+        meta = {"run": self.run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": m.name,
+                "program": program.text_hash, "data": self.ds.name, "seed": self.seed, "epoch": epoch,
+                "epochs": self.epochs, "step": step, "steps_per_epoch": self.spe,
+                "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout,
+                "history": [_json_safe(r) for r in self.result.history]}
+        try:
+            with _signals_deferred():  # what the file holds and what an interrupt reports stay one
+                save_checkpoint(self.save.full, arrays, meta)
+                self.saved_epoch = epoch
+        except OSError as exc:
+            raise _x("X021", f"cannot write the checkpoint `{self.save.path}` after epoch {epoch}: "
+                     f"{exc.strerror or exc}",
+                     help="the previous checkpoint, if any, is untouched; free space or name another "
+                          "file with --save") from None
+
+    # ---- ends
+
+    def good_checkpoint(self) -> tuple[str, int] | None:
+        """The latest checkpoint of this run's state: (path, whole epochs it holds), or None."""
+        if self.save is not None and self.saved_epoch is not None:
+            return self.save.path, self.saved_epoch
+        if self.resumed is not None and os.path.exists(self.resumed.path):
+            return self.resumed.path, self.resumed.epochs_done
+        return None
+
+    def diverged(self, what: str) -> StreamschedError:
+        """X010 for a run that diverged: names the last good checkpoint, and the help gives the
+        command that resumes from it with a lower learning rate (a tenth of --lr when the rate came
+        from the command line; the train block's `lr` is the user's to lower)."""
+        ck = self.good_checkpoint()
+        lr = self.opts.lr
+        argv = self.opts.argv
+        if lr is not None and argv:
+            argv = _without_option(argv, "--lr") + ("--lr", f"{lr / 10:g}")
+        lower = "lower `lr` in the train block" if lr is None else f"use a lower rate, e.g. `--lr {lr / 10:g}`"
+        if ck:
+            where = f"; the last good checkpoint is `{ck[0]}` (epoch {ck[1]}), no checkpoint of this epoch was written"
+            cmd = resume_command(argv, ck[0])
+            if cmd:
+                help_ = (f"lower `lr` in the train block, then resume from it: `{cmd}`" if lr is None else
+                         f"resume from it with a tenth of the learning rate: `{cmd}`")
+            else:
+                help_ = f"{lower}, then resume from `{ck[0]}`"
+        else:
+            where = "; no checkpoint was written" + (" (none was asked for: --save FILE keeps the last good epoch)"
+                                                     if self.save is None else "")
+            help_ = lower
+        lr_span = None if lr is not None else self.spans.get("lr")
+        return _x("X010", f"{what}; stopping{where}", lr_span, help=help_)
+
+    def interrupted_lines(self, signum: int) -> list[str]:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        where = f"in epoch {self.epoch_now}/{self.epochs}" if self.epoch_now else "before the first step"
+        lines = [f"interrupted by {name} {where}, after {self.steps_run} step{'s' if self.steps_run != 1 else ''} "
+                 f"of this run (run {self.run_id})"]
+        ck = self.good_checkpoint()
+        if ck:
+            cmd = resume_command(self.opts.argv, ck[0])
+            lines.append(f"the checkpoint `{ck[0]}` holds epoch {ck[1]}" + ("; resume with:" if cmd else ""))
+            if cmd:
+                lines.append(f"  {cmd}")
+        elif self.save is not None:
+            lines.append(f"no epoch finished, so nothing was written to `{self.save.path}`; run the same command "
+                         "again to start over")
+        else:
+            lines.append("no checkpoint was written: give --save FILE to be able to resume")
+        if self.log is not None:
+            lines.append(f"the log `{self.log.path}` holds every finished epoch")
+        return lines
+
+    def steps_note(self) -> None:
+        spe, save = self.spe, self.save
+        if save and self.steps_run > 0 and self.steps_run % spe:  # --steps stopped inside an epoch
+            done = self.steps_run % spe
+            stopped = self.start_epoch + self.steps_run // spe + 1  # the epoch (from 1) it stopped in
+            why = (f"--steps {self.opts.max_steps} stopped after {done} of the {spe} steps of epoch {stopped}, "
+                   f"and only whole epochs are saved (a resume restarts at an epoch)")
+            if self.saved_epoch is None:
+                kept = " (the file there is untouched)" if save.exists else ""
+                self.result.notes.append(f"no checkpoint was written to `{save.path}`{kept}: {why}")
+            else:
+                self.result.notes.append(f"the checkpoint `{save.path}` holds epoch {self.saved_epoch}, not the "
+                                         f"last {done} step{'s' if done != 1 else ''}: {why}")
+
+    def open_bar(self) -> None:
+        if not self.opts.progress:
+            return
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=max(0, epochs - start_epoch) * spe, unit="step", leave=False, file=sys.stderr,
-                       disable=None)
+            self.bar = tqdm(total=self.local_total, unit="step", leave=False, file=sys.stderr, disable=None)
+            if self.bar.disable:  # not a terminal: the per-epoch lines are the feedback
+                self.bar = None
         except ImportError:  # pragma: no cover
-            bar = None
-    first = start_epoch * spe
-    cur["k"] = first - 1
-    segs = compiled.segments or plan_segments(plan)
-    lr_span = None if opts.lr is not None else spans.get("lr")
-    lr_what = f" with --lr {opts.lr:g}" if opts.lr is not None else ""
-    # Overflow and NaN in the kernels are caught as X010 below, by the loss: no NumPy warnings.
-    old_err = np.seterr(over="ignore", invalid="ignore", divide="ignore")
-    try:
-        runner.run(segs.for_step(-1), host_fn)
-        for e in range(start_epoch, epochs):
-            if opts.max_steps is not None and steps_run >= opts.max_steps:
-                break  # (before any work: `--steps 0` runs, records and saves nothing)
-            losses = []
-            for i in range(spe):
-                if opts.max_steps is not None and steps_run >= opts.max_steps:
-                    break
-                k = e * spe + i
-                cur["k"] = k
-                runner.run(segs.for_step(k - first), host_fn)
-                loss = float(runner.read(m.loss))
-                losses.append(loss)
-                steps_run += 1
-                if not math.isfinite(loss):
-                    where = f" (last good checkpoint: {save})" if save and os.path.exists(save) else ""
-                    raise _x("X010", f"the loss became {loss} at step {k} (epoch {e}){lr_what}; "
-                             f"stopping{where}", lr_span, help="lower the learning rate, or check the data for NaN")
-                if bar is not None:
-                    bar.update(1)
-                    if i % 5 == 0:
-                        bar.set_postfix(epoch=e, loss=f"{loss:.4f}")
-            runner.sync()
-            params = {n: runner.read(n) for n in saved}  # params and state (running statistics)
-            rec = {"epoch": e, "step": e * spe + len(losses), "train_loss": float(np.mean(losses)) if losses else float("nan"),
-                   "lr": lr_sched(min((e + 1) * spe - 1, total - 1)), "time_s": round(time.perf_counter() - t0, 3)}
-            if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
-                rec["loss_scale"] = float(runner.read(program.loss_scale))
-            if (e + 1) % opts.eval_every == 0 or e == epochs - 1:
-                tl, acc = evaluate(program, params, ds.x_test, ds.y_test)
-                rec.update(test_loss=tl, test_acc=acc)
-            result.history.append(rec)
-            if log_f:
-                try:
-                    log_f.write(json.dumps(rec) + "\n")
-                    log_f.flush()
-                except OSError as exc:
-                    raise _x("X021", f"cannot write the log `{log}`: {exc.strerror or exc}",
-                             help="the lines written before are kept; free space or name another file") from None
-            if bar is not None and "test_acc" in rec:
-                bar.set_postfix(epoch=e, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
-            if save and len(losses) == spe:  # only a whole epoch: a resume restarts at the next one
-                arrays = {n: runner.read(n) for n in saved}
-                try:
-                    save_checkpoint(save, arrays, {**expected_meta, "epoch": e, "history": result.history})
-                    saved_epoch = e
-                except OSError as exc:
-                    raise _x("X021", f"cannot write the checkpoint `{save}` after epoch {e}: {exc.strerror or exc}",
-                             help="the previous checkpoint, if any, is untouched; free space or name another "
-                                  "file with --save") from None
-            if opts.max_steps is not None and steps_run >= opts.max_steps:
-                break
-    finally:
-        np.seterr(**old_err)
-        if bar is not None:
-            bar.close()
-        if log_f:
-            log_f.close()
-    runner.sync()
-    result.params = {n: runner.read(n) for n in saved}
-    result.steps = steps_run
-    if save and steps_run > 0 and steps_run % spe:  # --steps stopped inside an epoch
-        stopped = (first + steps_run) // spe  # the 0-based epoch it stopped in
-        done = (first + steps_run) % spe
-        why = (f"--steps {opts.max_steps} stopped after {done} of the {spe} steps of epoch {stopped + 1}, "
-               f"and only whole epochs are saved (a resume restarts at an epoch)")
-        if saved_epoch is None:
-            kept = " (the file there is untouched)" if os.path.exists(save) else ""
-            result.notes.append(f"no checkpoint was written to `{save}`{kept}: {why}")
+            self.bar = None
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
         else:
-            result.notes.append(f"the checkpoint `{save}` holds epoch {saved_epoch + 1}, not the last {done} "
-                                f"step{'s' if done != 1 else ''}: {why}")
-    result.wall_s = time.perf_counter() - t0
-    result.races = runner.races
-    return result
+            self.echo(line)
+
+    def close(self, report: bool = False) -> None:
+        """Close the bar and the log; report: a failure to close the log (a full disk shows at the
+        last flush) is X021, else (another error already on its way) it is dropped."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.log_f is not None:
+            f, self.log_f = self.log_f, None
+            try:
+                f.close()
+            except OSError as exc:
+                if report:
+                    raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
+                             help="the lines written before are kept; free space or name another file") from None
+
+
+def _json_safe(rec: dict) -> dict:
+    """A record with NaN and infinities as null (a test loss can overflow while the training loss
+    stays finite), since checkpoint metadata is strict JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
+def _without_option(argv: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """argv without `flag VALUE` and `flag=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return tuple(out)
+
+
+@contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM that arrive during the block take effect when it is done (their handlers
+    are swapped for ones that only note them, then restored and called).  Blocking the signals
+    in the kernel would not do: another thread (BLAS's) would take them, and Python would run the
+    handler in the main thread inside the block all the same.  A no-op outside the main thread."""
+    got: list[int] = []
+    old = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    except ValueError:  # not the main thread
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        if got:
+            h = old[got[0]]
+            if callable(h):
+                h(got[0], None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
+
+
+@contextmanager
+def _quiet_numpy():
+    """Overflow and NaN in the kernels are caught as X010, by the loss: no NumPy warnings."""
+    old = np.seterr(over="ignore", invalid="ignore", divide="ignore")
+    try:
+        yield
+    finally:
+        np.seterr(**old)

@@ -16,6 +16,7 @@ shapes the inputs cannot recover (a strided convolution's output height fits sev
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Sequence
 
@@ -570,6 +571,14 @@ def dropout_threshold(p: float) -> int:
     return int(math.floor(float(p) * 4294967296.0))
 
 
+def site_seed(model: str, target: str) -> int:
+    """The `seed` attribute of a model line that does not give one (`d = dropout(f, p = 0.1)` in
+    model `net`): the first 8 bytes of sha256("net.d"), big-endian, as an integer < 2^63 (the
+    Philox key of that site's mask stream).  Distinct sites get distinct keys, the same site the
+    same key on every run."""
+    return int.from_bytes(hashlib.sha256(f"{model}.{target}".encode()).digest()[:8], "big") >> 1
+
+
 def dropout_bits(size: int, seed: int, offset: int) -> np.ndarray:
     """The uint32 random word of each of `size` elements (flat, row-major index i): word i & 3 of
     philox4x32_10(ctr = (lo32(i >> 2), hi32(i >> 2), lo32(offset), hi32(offset)),
@@ -631,8 +640,8 @@ y_i = keep_i ? x_i * s : 0,  s = 1 / (1 - p) in double rounded to the compute dt
 f16/f32 x, f64 for f64), the product rounded to x's dtype;  mask_i = keep_i (1 or 0).
 x: float, offset: [] i32/i64/f32/f64 device counter (a non-negative integer value, read when the
 kernel runs; an f32 counter is exact up to 2^24) -> y: x's type, mask: x's shape in the `mask`
-dtype (u8 or f32).  p in [0, 1); seed an integer < 2^64, fixed at compile time: give every
-dropout site its own seed, since two sites with one seed and one offset draw the same bits.
+dtype (u8 or f32).  p in [0, 1); seed an integer < 2^64, fixed at compile time (two sites with
+one seed and one offset draw the same bits: a model line that gives none gets its site's own).
 Each step advances offset with offset_advance, so every replay of a captured graph draws a new
 mask.  A dropped element is 0 even when x is inf or NaN.
 """)
