@@ -2,19 +2,19 @@
 while earlier work is pending (steps overlap, as on a GPU), capture units run on lanes of their
 own (a unit's tasks are ordered only by its stream order, waits and fork/join), and the run-time
 race detector sees cross-step and capture-only races.  Hand-built plans, stand-in kernels, and
-an independent happens-before oracle over lanes (written here from the semantics in
-cpu_backend's docstring, never by calling the code under test)."""
+an independent happens-before oracle over lanes (tests/lane_oracle.py)."""
 
 from __future__ import annotations
 
+import os
 import re
-from collections import defaultdict
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lane_oracle import lane_hb
 from streamsched.interp.cpu_backend import CpuExecutor
 from streamsched.interp.ir import HOST, Buffer, Instr, Schedule, Task, Unit
 from streamsched.interp.memory import allocate_arrays, plan_memory
@@ -364,37 +364,6 @@ def captured_cases(draw):
     return s, plan, conflict
 
 
-def lane_hb(s: Schedule, plan: list[Instr]) -> dict[int, int]:
-    """before[t]: bitset of tasks that happen before task t.  Lanes are streams, or (stream,
-    unit) inside a unit under capture; a unit's home lane starts where its stream was at `begin`,
-    its other lanes empty; `end` puts every task of the unit before the stream's later work; a
-    wait adds what the latest earlier record of its event knew, unless capture is on and the two
-    lie in different units (or one in none)."""
-    cap = s.capture != "none"
-    know: dict[tuple, int] = defaultdict(int)
-    rec: dict[int, tuple[int, int]] = {}
-    members: dict[int, int] = defaultdict(int)
-    before = {}
-    for ins in plan:
-        unit = ins.unit if cap else -1
-        lane = (ins.stream, -1 if ins.op in ("begin", "end") else unit)
-        if ins.op == "begin" and cap:
-            know[(ins.stream, unit)] = know[lane]
-        elif ins.op == "end" and cap:
-            know[lane] |= members[unit]
-        elif ins.op == "launch":
-            before[ins.task] = know[lane]
-            know[lane] |= 1 << ins.task
-            members[unit] |= 1 << ins.task
-        elif ins.op == "record":
-            rec[ins.event] = (know[lane], unit)
-        elif ins.op == "wait" and ins.event in rec:
-            seen, where = rec[ins.event]
-            if not cap or where == unit:
-                know[lane] |= seen
-    return before
-
-
 PAIR = re.compile(r"`T(\d+)` on \S+ is not ordered after `T(\d+)`")
 
 
@@ -402,7 +371,7 @@ PAIR = re.compile(r"`T(\d+)` on \S+ is not ordered after `T(\d+)`")
 @given(captured_cases())
 def test_detector_matches_lane_hb_oracle(case):
     s, plan, conflict = case
-    before = lane_hb(s, plan)
+    before = lane_hb(s.capture, plan)
     racy = {(u.id, v.id) for v in s.tasks for u in s.tasks[: v.id]
             if conflict(u, v) and not before[v.id] >> u.id & 1}
     ref = None
@@ -416,3 +385,65 @@ def test_detector_matches_lane_hb_oracle(case):
             got = {n: a.tobytes() for n, a in ex.arrays.items()}
             ref = ref or got
             assert got == ref, seed
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop's CPU runner
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp_digits.sched")
+
+
+def test_training_loop_keeps_steps_in_flight(monkeypatch):
+    """Under --interleave random a later step's work runs before an earlier step's is done;
+    under fixed the order is the plan's issue order (no step runs ahead)."""
+    from streamsched.interp import train as train_mod
+    from streamsched.pipeline import compile_file
+
+    log: list[int] = []
+    orig = train_mod.CpuRunner._task_done
+
+    def spy(self, task, batch):
+        log.append(batch)
+        orig(self, task, batch)
+
+    monkeypatch.setattr(train_mod.CpuRunner, "_task_done", spy)
+    c = compile_file(EXAMPLE)
+    for interleave, ahead in (("random", True), ("fixed", False)):
+        log.clear()
+        r = train_mod.train(c, train_mod.TrainOptions(backend="cpu", progress=False, interleave=interleave,
+                                                      interleave_seed=3, max_steps=6))
+        assert r.steps == 6 and r.races == []
+        late = sum(1 for a, b in zip(log, log[1:]) if b < a)  # an earlier step's task after a later one's
+        assert (late > 0) == ahead, (interleave, late)
+        assert max(log) - min(log) == 6  # the prologue and six steps
+
+
+def test_runner_hands_each_step_its_own_loss():
+    from streamsched.interp.train import CpuRunner, init_params
+    from streamsched.pipeline import compile_file
+
+    c = compile_file(EXAMPLE)
+    runner = CpuRunner(c, "random", 0, True)
+    for n, v in init_params(c.program, 0).items():
+        runner.write(n, v)
+    rng = np.random.default_rng(0)
+
+    def host_fn(task, arrays):
+        if task.kernel == "stage":
+            out = arrays[task.outs[0]]
+            out[...] = rng.integers(0, 10, out.shape) if out.dtype.kind == "i" else rng.normal(0, 1, out.shape)
+        elif task.kernel == "set_scalar":
+            arrays[task.outs[0]][...] = 0.1
+
+    loss = c.program.model.loss
+    runner.run(c.segments.for_step(-1), host_fn)
+    runner.run(c.segments.for_step(0), host_fn)
+    step0 = runner.last_loss(loss)
+    assert np.isfinite(step0) and step0 > 0
+    runner.run(c.segments.for_step(1), host_fn)
+    runner.arrays[loss][...] = np.nan  # whatever happens to the buffer later, the snapshot stays
+    step1 = runner.last_loss(loss)
+    assert np.isfinite(step1) and step1 != step0
+    runner.sync()
+    assert runner.ex.pending == 0 and runner.races == []
