@@ -22,6 +22,7 @@ file: those programs count as not clean.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
@@ -60,8 +61,6 @@ class GenProgram:
 def strip_into(text: str) -> str:
     """The program with every `into NAME` clause removed (nothing else changes, so every line
     keeps its number and the `after` clauses stay)."""
-    import re
-
     return re.sub(r"[ \t]into[ \t]+[A-Za-z_][A-Za-z0-9_]*", "", text)
 
 
@@ -91,19 +90,16 @@ def programs(draw, policy: str | None = None, capture: str | None = None) -> Gen
     res_src = draw(st.sampled_from(["h1", "a1"])) if residual else ""
     res_op = draw(st.sampled_from(["add", "mix2"])) if residual else ""
 
-    # readers after each activation's own op: h_i is read by act_i (and the residual, maybe);
-    # a_i is read by the next linear (its dX overwrites a_i when linear.backward writes `into
-    # x`), by act_i's backward when it differentiates from its output, and by the residual.
     def h_read_later(i: int) -> bool:
+        """Whether the pre-activation h_i has a reader after act_i (in the forward: the residual;
+        gelu's backward reads its input too, which the callers check)."""
         return residual and res_src == f"h{i}"
 
     # ---- user ops ----------------------------------------------------------------------------
     used_acts = set(acts)
-    inplace_act: dict[str, bool] = {}
     for a in sorted(used_acts & {"relu", "tanh", "sigmoid", "gelu"}):
         if draw(st.integers(0, 3)) == 0:  # an in-place activation, as the seed writes dX over X
             s = draw(pick)
-            inplace_act[a] = True
             ops.append(f"op {a}(x) -> y on {s} {{\n    y = {a}(x) into x\n}}\n")
             # into x overwrites the layer's pre-activation h: legal when nothing reads h later
             # (gelu's own backward reads it)
@@ -164,20 +160,12 @@ def programs(draw, policy: str | None = None, capture: str | None = None) -> Gen
         clauses = ""
         if into_x:
             clauses += " into x"
-            # dX of layer i overwrites its input: a_{i-1} (s for the head after a residual).
-            # It is still needed when a backward that runs later reads it: the activation's
-            # backward when it reads its output, or the residual's inputs' readers.
-            legal = True
-            for i, a in enumerate(acts[:-1], start=1):  # a_i is the input of linear i+1
-                if a in FROM_OUTPUT or (residual and res_src == f"a{i}"):
-                    legal = False
-            last = acts[-1]
-            if not residual and last in FROM_OUTPUT:
-                legal = False  # the head's input a_depth is read by act_depth's backward
-            if residual and res_op == "mix2":
-                pass  # mix2's backward reads its output y = s, the head's input: see below
-            if residual and res_op == "mix2":
-                legal = False
+            # dX of layer i overwrites its input x: a_{i-1}, or s after a residual.  The input is
+            # still needed when a backward that runs later reads it: the activation's backward
+            # when it differentiates from its output, mix2's backward (it reads its output s).
+            # (The residual's own read of a_i is in the forward, long before.)
+            inputs = [a for a in acts[:-1]] + ([] if residual else [acts[-1]])
+            legal = not any(a in FROM_OUTPUT for a in inputs) and res_op != "mix2"
             intos.append(("linear.backward: dx into x", legal))
             if explicit or draw(st.booleans()):
                 clauses += " after dw"
@@ -270,28 +258,24 @@ def programs(draw, policy: str | None = None, capture: str | None = None) -> Gen
 
     explicit_complete = True
     if forget and forgettable:
+        # drop one `after` a careful user writes: in an op body, or in the step
         gone = draw(st.sampled_from(forgettable))
         explicit_complete = False
-        step_text = "\n".join(step)
-        body_text = "\n".join(ops)
-        name, _, dep = gone.partition(" after ")
-        if gone in ("stanh.y after u",):
-            body_text = body_text.replace(" after u\n", "\n", 1)
+        if gone == "stanh.y after u":
+            ops = [o.replace(" after u\n", "\n", 1) for o in ops]
         elif gone == "linear.backward.dx after dw":
-            body_text = body_text.replace(" after dw\n", "\n", 1)
+            ops = [o.replace(" after dw\n", "\n", 1) for o in ops]
         else:
+            name, _, dep = gone.partition(" after ")
+            heads = {"upload lr on trans": "upload", "pass(load[slot])": "pass", "load[next]": "load"}
             new = []
             for line in step:
-                head = line.strip().split(" after ")[0]
-                key = {"upload lr on trans": "upload", "pass(load[slot])": "pass", "load[next]": "load"}.get(head, head)
-                if key == name and " after " in line:
-                    h, _, rest = line.partition(" after ")
-                    ds = [d for d in rest.split(", ") if d != dep]
-                    line = h + (" after " + ", ".join(ds) if ds else "")
+                head, _, rest = line.strip().partition(" after ")
+                if heads.get(head, head) == name and rest:
+                    deps = [d for d in rest.split(", ") if d != dep]
+                    line = "    " + head + (" after " + ", ".join(deps) if deps else "")
                 new.append(line)
             step = new
-        ops = [body_text] if body_text else []
-        del step_text
 
     batch = 32
     lr = draw(st.sampled_from(["0.05", "cosine(0.05, warmup = 2)", "step(0.05, every = 3, gamma = 0.5)"]))
