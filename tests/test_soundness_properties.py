@@ -16,8 +16,8 @@ test (tests/lane_oracle.py).
 
 Results are the final parameters and optimizer state and the per-epoch losses and accuracy
 (`train`), or the parameters and per-step losses (direct runs).  Example counts follow the
-hypothesis profile (tests/conftest.py): "dev" runs about 20 programs per property, "ci" (CI=1)
-about 200.  `pytest --hypothesis-show-statistics` shows how many generated programs were clean
+hypothesis profile (tests/conftest.py): "dev" runs 20 programs per property, "ci" (CI=1) 100
+(and 25 / 200 trials of property 4).  `pytest --hypothesis-show-statistics` shows how many generated programs were clean
 and how many of those had an `into`.
 """
 
@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.sched")))
 
 BASE = settings().max_examples  # 100 under "dev", 1000 under "ci"
-PROGRAMS = max(10, BASE // 5)
+PROGRAMS = max(20, BASE // 10)
 PROPERTY = settings(max_examples=PROGRAMS, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 INTERLEAVINGS = (1, 2)  # random seeds tried besides the fixed order
@@ -282,8 +282,10 @@ def _why_unseen(plan: EventPlan, gone: int, before: dict[int, int]) -> str:
     stream to its home right before the unit's `end` (which completes only when every lane is
     done: R004's business, not a race); it was a unit's fork for a lane whose work conflicts
     with nothing issued before the unit (the first step's zero_grad: no gradient was touched
-    yet); it ordered only an `after` between tasks that share no bytes; or every pair it
-    ordered is ordered by another path too."""
+    yet); it was another unit-level fork or join (chain and explicit order graphs by them under
+    capture = none too) that no conflicting pair needs; it ordered only an `after` between
+    tasks that share no bytes (a host staging task that inherits its launch's `after`); or every
+    pair it ordered is ordered by another path too."""
     s = plan.schedule
     ins = plan.instrs[gone]
     rest = [i for i in plan.instrs[gone + 1:] if i.stream == ins.stream and i.unit == ins.unit]
@@ -294,6 +296,8 @@ def _why_unseen(plan: EventPlan, gone: int, before: dict[int, int]) -> str:
               default=-1)
     if s.capture != "none" and rec > 0 and plan.instrs[rec - 1].op == "begin":
         return "fork of a lane with nothing earlier to follow"
+    if ins.task < 0:
+        return "a unit's fork or join no data needs"
     if any(not before[t.id] >> u & 1 for t in s.tasks for u in t.after):
         return "an `after` with no shared bytes"
     return "ordered another way"
@@ -307,7 +311,7 @@ def test_dropped_wait_is_seen_in_most_cases():
     the results are bitwise those of the whole plan)."""
     trials: list[dict] = []
 
-    @settings(max_examples=max(15, BASE // 4), deadline=None, derandomize=True, database=None,
+    @settings(max_examples=max(25, BASE // 5), deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(programs(), st.integers(0, 10 ** 6))
     def trial(g, which):
@@ -328,6 +332,7 @@ def test_dropped_wait_is_seen_in_most_cases():
     print(f"\nproperty 4: {seen}/{len(trials)} = {rate:.2f} of plans with one wait removed were seen "
           f"(values changed in {changed}); unseen: {dict(misses)}")
     assert len(trials) >= 10
-    # Measured 0.92 over 250 trials under CI=1 (0.84 over the 25 of "dev"); every miss was a
-    # wait no conflicting pair needs (`_why_unseen`: joins before `end`, first-step forks).
+    # Measured 0.94 over the 200 trials of CI=1 (0.92 over the 25 of "dev"); every miss was a
+    # wait no conflicting pair needs (`_why_unseen`: joins before `end`, first-step forks, unit
+    # joins under capture = none, a host staging task's inherited `after`).
     assert rate >= 0.75, (rate, [t["wait"] for t in trials if not t["racy"]])
