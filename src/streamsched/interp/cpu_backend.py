@@ -40,7 +40,9 @@ of ``validate.py``, so the run-time detector and the static checker agree on hap
   dynamic race detection", PLDI 2009) over lanes: one vector clock per lane, the host included;
   program order ticks a lane's own component, a record snapshots the lane's clock, a wait joins
   the snapshot it bound to.  ``begin U`` starts U's home lane from h's clock and U's other
-  lanes empty (they learn the home's clock through the fork's event); ``end U`` ticks h once and
+  lanes empty (they learn the home's clock through the fork's event, as in the checker: so a
+  missing fork is reported, though the executor, holding the unit until ``begin``, never lets it
+  change a value); ``end U`` ticks h once and
   from then on the unit's accesses count as made by h at that tick (after ``end`` the unit is
   known outside only as a whole).  Each buffer keeps its last write epoch and, per lane, the
   latest read since; accesses conflict when their byte ranges overlap (``Buffer.overlaps``).
