@@ -7,6 +7,7 @@ Source: LANGUAGE.md (`train`, `step`), the seed's run_train_epoch_gpu step loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -164,34 +165,77 @@ def _init_value(b, init: str, rng) -> np.ndarray:
 
 
 class CpuRunner:
-    """The CPU backend behind the loop's small interface: run / read / write."""
+    """The CPU backend behind the loop's small interface: run / read / write / sync / last_loss.
+
+    Steps overlap as on a GPU, where the host issues ahead and the streams run asynchronously:
+    `run` issues a step and executes only until that step's loss is computed and every step
+    `window` or more before it has finished; the rest runs interleaved with the next step's work,
+    as the plan's waits allow (`CpuExecutor.issue` / `drain`).  The loss is snapshotted when a
+    task that writes it runs, since the next step may overwrite it before the loop looks
+    (`last_loss`); `read`, `write` and `sync` first drain everything (evaluation, checkpoints).
+    Under `interleave = "fixed"` the execution order is the plan's global issue order, as before.
+    A kernel failure raises TaskFailedError."""
 
     name = "cpu"
+    window = 2
+    """Steps in flight at most: step k - 2 has finished when `run` returns for step k."""
 
     def __init__(self, compiled: Compiled, interleave: str, seed: int, detect_races: bool):
         from streamsched.interp.cpu_backend import CpuExecutor
         from streamsched.interp.memory import allocate_arrays
 
         self.arrays = allocate_arrays(compiled.schedule.buffers)
+        m = compiled.program.model
+        self._loss = m.loss if m is not None else None
+        self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self._loss in t.outs)
+        self._losses: dict[int, tuple[int, np.ndarray]] = {}  # batch -> (loss writes seen, latest value)
+        self._last: tuple[int, int] = (-1, 0)  # the latest batch and how many loss writes it issued
         self.ex = CpuExecutor(compiled.schedule, self.arrays, KERNELS, interleave=interleave, seed=seed,
-                              detect_races=detect_races)
+                              detect_races=detect_races, on_task_done=self._task_done)
 
-    def run(self, instrs, host_fn) -> None:
+    def _task_done(self, task: Task, batch: int) -> None:
+        if task.id in self._loss_tasks:
+            n, _ = self._losses.get(batch, (0, None))
+            self._losses[batch] = (n + 1, np.array(self.arrays[self._loss]))
+
+    def _guard(self, fn, *args):
         from streamsched.interp.cpu_backend import TaskFailed
 
         try:
-            self.ex.run(instrs, host_fn)
+            return fn(*args)
         except TaskFailed as e:
             raise TaskFailedError(e.task, e.cause) from e
 
+    def run(self, instrs, host_fn) -> None:
+        """Issue `instrs` (one step; bind the loop step into host_fn, which may run later) and
+        execute until the step's loss is known and older steps are done."""
+        b = self.ex.issue(instrs, host_fn)
+        want = sum(1 for i in instrs if i.op == "launch" and i.task in self._loss_tasks)
+        self._last = (b, want)
+        self._guard(self.ex.drain, b - self.window)
+        if want:
+            self._guard(self.ex.drain, lambda: self._losses.get(b, (0,))[0] >= want)
+
+    def last_loss(self, name: str) -> float:
+        """The value of `name` (the model's loss) as the latest step computed it."""
+        b, want = self._last
+        got = self._losses.pop(b, None)
+        for k in [k for k in self._losses if k < b]:
+            del self._losses[k]
+        if name == self._loss and want and got is not None and got[0] >= want:
+            return float(got[1])
+        return float(self.read(name))
+
     def read(self, name: str) -> np.ndarray:
+        self.sync()
         return np.array(self.arrays[name])
 
     def write(self, name: str, value: np.ndarray) -> None:
+        self.sync()
         self.arrays[name][...] = value
 
     def sync(self) -> None:
-        pass
+        self._guard(self.ex.drain)
 
     @property
     def races(self) -> list[Diagnostic]:
@@ -702,7 +746,7 @@ class _Run:
         opts, m, spe = self.opts, self.m, self.spe
         segs = self.c.segments or plan_segments(self.c.plan)
         self.cur = -1  # the step (of this run, from 0) whose host work runs
-        runner.run(segs.for_step(-1), self.host_fn)
+        runner.run(segs.for_step(-1), functools.partial(self.host_fn, step=-1))
         for e in range(self.start_epoch, self.epochs):
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
@@ -712,21 +756,23 @@ class _Run:
                     break
                 k = (e - self.start_epoch) * spe + i
                 self.cur = k
-                runner.run(segs.for_step(k), self.host_fn)
-                loss = float(runner.read(m.loss))
+                runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
+                loss = runner.last_loss(m.loss)  # this step's, though later work may be in flight
                 self.after_step(k, loss)
             runner.sync()
             self.end_epoch(e)
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
 
-    def host_fn(self, task: Task, arrays: dict) -> None:
-        """Host work: batches into staging slots, scalars into pinned buffers."""
+    def host_fn(self, task: Task, arrays: dict, step: int | None = None) -> None:
+        """Host work: batches into staging slots, scalars into pinned buffers.  step: the loop
+        step that issued the task (on the CPU it may run after later steps were issued)."""
+        at = self.cur if step is None else step
         if task.kernel == "stage":
-            xb, yb = self.batch_at(self.cur + task.attr("ahead", 0))
+            xb, yb = self.batch_at(at + task.attr("ahead", 0))
             arrays[task.outs[0]][...] = xb if task.attr("field") == self.feat else yb
         elif task.kernel == "set_scalar":
-            k = self.base_step + max(self.cur, 0)  # absolute: the schedule and Adam's t go on across resumes
+            k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
             arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
 
     def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,5 @@
-"""The CUDA backend behind the training loop's small interface (run / read / write / sync),
-the twin of `train.CpuRunner`."""
+"""The CUDA backend behind the training loop's small interface (run / read / write / sync /
+last_loss), the twin of `train.CpuRunner`."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ class CudaRunner:
 
     def read(self, name: str) -> np.ndarray:
         return np.array(self._wrap(self.ex.get, name))
+
+    def last_loss(self, name: str) -> float:
+        """The loss the latest step computed: `read` waits for every stream, so it is that step's."""
+        return float(self.read(name))
 
     def write(self, name: str, value) -> None:
         self.ex.set(name, value)
