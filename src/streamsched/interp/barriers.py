@@ -117,28 +117,31 @@ class _Planner:
         anchors its clock covers, keep the latest per lane, drop any implied by another (the
         clock of a join covers an anchor iff one of the joined clocks does), and join."""
         c = self.clock.setdefault(lane, {})
-        latest: dict[Lane, int] = {}
-        for a in aids:
-            if a is None:
-                continue
-            A = self.anchors[a]
-            if c.get(A.lane, 0) >= A.pos:
-                continue
-            if A.share is not None:
-                # A wait binds to the latest record of its event, and anchors with one share key
-                # share an event: wait on the latest such anchor of the lane issued so far.  It
-                # covers A (same lane, later), no record inserted later can move the binding,
-                # and the events stay periodic (one per key), which the steady state needs.
-                a = self.share_last[(A.share, A.lane)]
+
+        def minimal(cands: list[int]) -> list[int]:
+            """The latest anchor per lane, then those no other one implies (the clock of a join
+            covers an anchor iff one of the joined clocks does)."""
+            latest: dict[Lane, int] = {}
+            for a in cands:
                 A = self.anchors[a]
-            b = latest.get(A.lane)
-            if b is None or self.anchors[b].pos < A.pos:
-                latest[A.lane] = a
-        cand = list(latest.values())
-        keep = [
-            a for a in cand
-            if not any(b != a and self.anchors[b].clock.get(self.anchors[a].lane, 0) >= self.anchors[a].pos for b in cand)
-        ]
+                b = latest.get(A.lane)
+                if b is None or self.anchors[b].pos < A.pos:
+                    latest[A.lane] = a
+            cand = list(latest.values())
+            return [a for a in cand
+                    if not any(b != a and self.anchors[b].clock.get(self.anchors[a].lane, 0) >= self.anchors[a].pos
+                               for b in cand)]
+
+        needed = [a for a in aids if a is not None and c.get(self.anchors[a].lane, 0) < self.anchors[a].pos]
+        # What is needed is decided on the anchors themselves; only then is each kept one moved
+        # to the latest anchor of its share key: a wait binds to the latest record of its event,
+        # and anchors with one key share an event, so the wait is on the latest such anchor of the
+        # lane issued so far.  It covers the original (same lane, later), no record inserted later
+        # can move the binding, and the events stay periodic (one per key), which the steady
+        # state needs.  Moving can make one wait imply another: those are dropped too.
+        keep = minimal(needed)
+        keep = minimal([self.share_last[(self.anchors[a].share, self.anchors[a].lane)]
+                        if self.anchors[a].share is not None else a for a in keep])
         keep.sort(key=lambda a: (self.rank.get(self.anchors[a].lane[0], len(self.rank)), self.anchors[a].lane[1], a))
         for a in keep:
             self.ins.append(["wait", lane[0], task, a, lane[1], step])
