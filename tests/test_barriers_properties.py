@@ -2,23 +2,32 @@
 
 Schedules are generated directly as IR: 1-5 device streams plus the host, buffers in a small
 arena so byte ranges overlap often (aliases share their root's range), capture units with forks
-over several streams, random `after` edges to earlier tasks, op groups, 1-3 unrolled steps over
-a period of 1 or 2 with keys shared by slot.  Happens-before is recomputed here by `hb_oracle`,
-written from ARCHITECTURE.md's definition, never by calling the code under test.
+over several streams, random `after` edges to earlier tasks (and, for the cycle property, to
+the task itself or later work), op groups, 1-3 unrolled steps over a period of 1 or 2 with keys
+shared by slot; and deep eager dataflow over 3-5 streams for minimality.  Happens-before is
+recomputed here by `hb_oracle`, written from ARCHITECTURE.md's definition, the required edges
+by `scoreboard_edges` byte by byte from dependencies.py's definitions, and what chain and
+explicit promise by `promised`, never by calling the code under test.
 
-Properties: auto orders every required edge, minimally, with no more waits than the pairwise
-rule or one wait per edge; chain and explicit races are exactly the unordered conflicting pairs;
-every plan is acyclic, binds every wait to an earlier record on another stream (inside the same
-capture unit), and is deterministic; the training loop's replay of the steady steps orders a
-longer unrolling of the same step.
+Properties: the required edges are exactly the scoreboard's; auto orders every required edge,
+minimally, with no more waits than the pairwise rule or one wait per edge; chain and explicit
+order exactly what the policy promises, and their races are exactly the unordered conflicting
+pairs; an `after` naming later work is one R002 whose printed cycle is a real one; every plan
+binds every wait to an earlier record on another stream (inside the same capture unit) and is
+deterministic; every auto plan has a steady state, and the training loop's replay of it orders
+a longer unrolling of the same step.
 
-Run with CI=1 for the "ci" hypothesis profile (1,000 examples per test; tests/conftest.py).
+Run with CI=1 for the "ci" hypothesis profile (1,000 examples per test; tests/conftest.py); the
+default profile's 100 examples catch a pairwise planner, chain without its own waits and a
+dropped steady state (the generators above are aimed at them).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+
+import re
 
 import pytest
 from hypothesis import given
@@ -27,7 +36,7 @@ from hypothesis import strategies as st
 from streamsched.interp.barriers import insert_barriers, plan_segment, plan_segments
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import HOST, Buffer, EventPlan, Schedule, Task, Unit
-from streamsched.interp.validate import find_races, validate_plan
+from streamsched.interp.validate import find_races, validate_plan, validate_schedule
 
 DEV = ("s0", "s1", "s2", "s3", "s4")
 
@@ -465,8 +474,11 @@ def check_structure(plan: EventPlan) -> None:
     assert sum(len(plan_segment(plan, k)) for k in range(-1, s.steps)) == len(plan.instrs)
     used_events = {i.event for i in plan.instrs if i.op in ("record", "wait")}
     assert used_events == set(range(plan.num_events))
-    # Stream order plus record -> wait is acyclic; no wait precedes its record or waits on its
-    # own stream; inside a capture unit every wait binds to a record of the same unit.
+    # No wait precedes its record or waits on its own stream; inside a capture unit every wait
+    # binds to a record of the same unit.  (A wait binds to the latest record issued *before* it,
+    # so once every wait binds, stream order plus waits is acyclic by construction: a cycle can
+    # only be in what the schedule asks for, an `after` naming later work, which validate_schedule
+    # must refuse before planning: test_after_naming_later_work_is_a_cycle_with_a_real_path.)
     for i, ins in enumerate(plan.instrs):
         if ins.op != "wait":
             continue
@@ -475,28 +487,6 @@ def check_structure(plan: EventPlan) -> None:
         assert plan.instrs[r].stream != ins.stream
         if cap:
             assert plan.instrs[r].unit == ins.unit
-    succ = defaultdict(set)
-    last: dict[str, int] = {}
-    for i, ins in enumerate(plan.instrs):
-        if ins.stream in last:
-            succ[last[ins.stream]].add(i)
-        last[ins.stream] = i
-        if ins.op == "wait":
-            succ[bound_record(plan, i)].add(i)
-    indeg = defaultdict(int)
-    for a in succ:
-        for b in succ[a]:
-            indeg[b] += 1
-    ready = [i for i in range(len(plan.instrs)) if indeg[i] == 0]
-    seen = 0
-    while ready:
-        a = ready.pop()
-        seen += 1
-        for b in succ[a]:
-            indeg[b] -= 1
-            if indeg[b] == 0:
-                ready.append(b)
-    assert seen == len(plan.instrs), "stream order plus waits has a cycle"
 
 
 def without(plan: EventPlan, i: int) -> EventPlan:
@@ -624,3 +614,88 @@ def test_auto_is_minimal_on_deep_dataflow(s: Schedule) -> None:
     assert [(u, v) for u, v in req if not before[v] >> u & 1] == []
     assert_minimal(plan, req)
     assert sum(1 for ins in plan.instrs if ins.op == "wait") <= pairwise_waits(s, edges)
+
+
+@st.composite
+def with_back_edges(draw) -> tuple[Schedule, list[tuple[int, int]]]:
+    """A generated schedule whose `after` clauses also name later work: one to three tasks v get
+    `after a` with a >= v (a later task of the run, or v itself)."""
+    s = draw(schedules())
+    n = len(s.tasks)
+    picks = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), min_size=1, max_size=3))
+    back = sorted({(min(v, a), max(v, a)) for v, a in picks})
+    extra: dict[int, set[int]] = defaultdict(set)
+    for v, a in back:
+        extra[v].add(a)
+    tasks = tuple(replace(t, after=tuple(sorted(set(t.after) | extra[t.id]))) for t in s.tasks)
+    return replace(s, tasks=tasks), back
+
+
+NOTE = re.compile(r"^`[^`]*` \(task (\d+)\) -> `[^`]*` \(task (\d+)\): (.*)$")
+
+
+def shortest_path(s: Schedule, src: int, dst: int) -> int | None:
+    """Hops of the shortest chain from src to dst of required edges and stream order (the
+    scoreboard's edges, not dependencies'), None when there is none."""
+    succ: dict[int, set[int]] = defaultdict(set)
+    for u, v, _ in scoreboard_edges(s):
+        succ[u].add(v)
+    last: dict[str, int] = {}
+    for t in s.tasks:
+        if t.stream in last:
+            succ[last[t.stream]].add(t.id)
+        last[t.stream] = t.id
+    dist, frontier = {src: 0}, [src]
+    while frontier:
+        nxt = []
+        for x in frontier:
+            for y in succ[x]:
+                if y <= dst and y not in dist:
+                    dist[y] = dist[x] + 1
+                    nxt.append(y)
+        frontier = nxt
+    return dist.get(dst)
+
+
+@given(with_back_edges())
+def test_after_naming_later_work_is_a_cycle_with_a_real_path(case) -> None:
+    """Each `after` naming the task itself or later work is one R002 whose path is a real cycle:
+    the shortest chain of required edges and stream order from the task to the work it names
+    (issue order itself when there is none), then the `after` back; and none of it reaches the
+    planner as an edge."""
+    s, back = case
+    edges = dependencies(s)
+    assert all(e.u < e.v for e in edges)
+    cycles = []
+    for d in validate_schedule(s, edges):
+        if d.code != "R002":
+            continue
+        hops = []
+        for note in d.notes:
+            m = NOTE.match(note)
+            assert m, note
+            hops.append((int(m[1]), int(m[2]), m[3]))
+        cycles.append(hops)
+    assert sorted((h[-1][1], h[-1][0]) for h in cycles) == back
+    kinds: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for u, w, k in scoreboard_edges(s):
+        kinds[(u, w)].add(k)
+    for hops in cycles:
+        (a, v, last) = hops[-1]
+        assert last == "after" and hops[0][0] == v
+        assert all(x[1] == y[0] for x, y in zip(hops, hops[1:]))  # a closed walk
+        path = hops[:-1]
+        want = None if a == v else shortest_path(s, v, a)
+        if a == v:
+            assert path == []
+        elif want is None:
+            assert path == [(v, a, "issued first")]
+        else:
+            assert len(path) == want
+            for u, w, desc in path:
+                if desc.startswith("stream order on "):
+                    assert s.tasks[u].stream == s.tasks[w].stream == desc[len("stream order on "):] and u < w
+                elif desc == "after":
+                    assert u in s.tasks[w].after and u < w
+                else:  # "RAW on `b`" and the like: a required edge
+                    assert desc.split(" on ")[0] in kinds[(u, w)], (u, w, desc)
