@@ -37,6 +37,28 @@ def sched(tasks, buffers, streams=("c1", "c2", "c3"), **kw) -> Schedule:
 
 # -- dependencies ------------------------------------------------------------------------------
 
+def test_a_later_write_takes_over_the_readers():
+    """After a write, the readers before it are ordered through it (WAR then WAW): a later write
+    gets WAW from the last writer and WAR only from the readers since that write."""
+    s = sched([
+        task(0, "c1", writes=["a"]),
+        task(1, "c2", reads=["a"]),
+        task(2, "c3", writes=["a"]),          # WAR from t1, WAW from t0
+        task(3, "c1", reads=["a"]),
+        task(4, "c2", writes=["a"]),          # WAR from t3 and WAW from t2 only: not from t1
+        task(5, "c3", reads=["a"], writes=["a"]),
+        task(6, "c1", writes=["a"]),          # WAW from t5; its own read is no extra WAR
+    ], [buf("a", 0)])
+    assert dependencies(s) == (
+        Edge(0, 1, "RAW", "a"),
+        Edge(0, 2, "WAW", "a"), Edge(1, 2, "WAR", "a"),
+        Edge(2, 3, "RAW", "a"),
+        Edge(2, 4, "WAW", "a"), Edge(3, 4, "WAR", "a"),
+        Edge(4, 5, "RAW", "a"), Edge(4, 5, "WAW", "a"),
+        Edge(5, 6, "WAW", "a"),
+    )
+
+
 def test_raw_war_waw_edges_are_exact():
     s = sched([
         task(0, "c1", writes=["a"]),
@@ -187,6 +209,63 @@ def test_the_host_is_ordered_under_every_policy(policy):
     plan = insert_barriers(s, dependencies(s))
     assert validate_plan(plan) == ()
     assert [(i.stream, i.task) for i in plan.instrs if i.op == "wait"] == [("trans", 1), (HOST, 2), ("trans", 3)]
+
+
+def four_ops(policy: str) -> Schedule:
+    """Graph f on c1: op call 0 (representative c1) forks `b` onto c2; op call 1 runs on c3.
+    Graph g on c2: op call 2.  No task shares a byte with another: every wait is the policy's."""
+    return Schedule(("c1", "c2", "c3", HOST), (buf("a", 0), buf("b", 16), buf("c", 32), buf("d", 48)), (
+        task(0, "c1", writes=["a"], name="a", op=0, rep_stream="c1", unit=0),
+        task(1, "c2", writes=["b"], name="b", op=0, rep_stream="c1", unit=0),
+        task(2, "c3", writes=["c"], name="c", op=1, rep_stream="c3", unit=0),
+        task(3, "c2", writes=["d"], name="d", op=2, rep_stream="c2", unit=1),
+    ), (Unit(0, "f", "f", "c1"), Unit(1, "g", "g", "c2")), capture="none", policy=policy)
+
+
+def test_chain_without_capture_adds_the_seeds_op_and_graph_orders():
+    """LANGUAGE.md, `chain`: each op's representative stream waits on the previous op's output
+    stream, forked kernels on the op's start, graphs fork from and join their home and are
+    ordered as ops; under capture = none all of it is plain waits, which explicit does not add."""
+    s = four_ops("chain")
+    plan = insert_barriers(s, dependencies(s))
+    ops = [(i.op, i.stream, i.task if i.op == "launch" else i.event) for i in plan.instrs]
+    assert ops == [
+        ("record", "c1", 0),                                       # f's fork = op 0's start
+        ("launch", "c1", 0), ("record", "c1", 1),                  # op 0's output on c1
+        ("wait", "c2", 0), ("launch", "c2", 1), ("record", "c2", 2),   # b forked from op 0's start
+        ("wait", "c3", 1), ("launch", "c3", 2), ("record", "c3", 3),   # op 1 after op 0's output
+        ("wait", "c1", 2), ("wait", "c1", 3), ("record", "c1", 4),     # f joins c2, c3 and ends
+        ("wait", "c2", 4), ("launch", "c2", 3),                    # graph g after graph f
+    ]
+    assert [(r.first, r.second) for r in find_races(plan)] == []
+    # Explicit keeps only the fork and join: op 1 and graph g wait for nothing of op 0.
+    e = four_ops("explicit")
+    ops = [(i.op, i.stream, i.task if i.op == "launch" else i.event) for i in insert_barriers(e, dependencies(e)).instrs]
+    assert ops == [
+        ("record", "c1", 0), ("launch", "c1", 0),
+        ("wait", "c2", 0), ("launch", "c2", 1), ("record", "c2", 1),
+        ("wait", "c3", 0), ("launch", "c3", 2), ("record", "c3", 2),
+        ("wait", "c1", 1), ("wait", "c1", 2),
+        ("launch", "c2", 3),
+    ]
+
+
+def test_a_wait_covered_through_other_streams_is_not_emitted():
+    """ARCHITECTURE.md, minimality: a wait is skipped when the waiting stream already knows the
+    work through any chain of waits, however long.  Pairwise "last event seen per stream" rules
+    wait again here (t2 and t3 each need t0 as well as their direct producer)."""
+    s = sched([task(0, "c1", writes=["a"]),
+               task(1, "c2", reads=["a"], writes=["b"]),
+               task(2, "c3", reads=["a", "b"], writes=["c"]),  # t1 covers t0: one wait
+               task(3, "c4", reads=["a", "c"]),                # t2 covers t1 and t0: one wait
+               task(4, "c1", reads=["c"]),                     # t2, through c3's wait on t1
+               task(5, "c2", reads=["d"]),
+               task(6, "c4", writes=["d"])],                   # WAR on d: t5 is news to c4
+              [buf("a", 0), buf("b", 16), buf("c", 32), buf("d", 48)], streams=("c1", "c2", "c3", "c4"))
+    plan = insert_barriers(s, dependencies(s))
+    assert validate_plan(plan) == ()
+    assert [(i.stream, i.task) for i in plan.instrs if i.op == "wait"] == \
+        [("c2", 1), ("c3", 2), ("c4", 3), ("c1", 4), ("c4", 6)]
 
 
 # -- cycles, waits, joins, capture rules ----------------------------------------------------------
