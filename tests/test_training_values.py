@@ -292,8 +292,6 @@ def test_biases_and_zero_init_are_zero_and_named_state_starts_where_declared(tmp
     assert float(p["d(loss)"]) == 1.0  # the backward's seed
 
 
-@pytest.mark.xfail(strict=True, reason="init_params takes fan_in = shape[0] (the kernel height) for an "
-                   "HWIO conv weight; He's fan_in is kh * kw * c_in (reported to the lead)")
 def test_he_for_a_conv_weight_uses_the_receptive_field_fan_in(tmp_path):
     path = tmp_path / "conv.sched"
     path.write_text("""\

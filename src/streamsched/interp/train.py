@@ -119,7 +119,9 @@ def _x(code: str, msg: str, span=None, help: str = "") -> StreamschedError:
 def init_params(program, seed: int) -> dict[str, np.ndarray]:
     """Initial values of every buffer with an init (params, optimizer state, constants).
 
-    glorot: uniform(-l, l), l = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio, 2010);
+    glorot: uniform(-l, l), l = sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio, 2010), fans as
+    torch.nn.init counts them (a [kh, kw, in, out] convolution weight: fan_in = kh kw in,
+    fan_out = kh kw out); uniform: the same as glorot;
     copy:P: the initial value of parameter P (an EMA of P starts at P; f32 master weights of an
     f16 parameter start at its value), in the buffer's own dtype; const:V: V everywhere;
     he: normal(0, sqrt(2 / fan_in)); normal: N(0, 0.01); zeros; ones.  A 1-D or scalar param
@@ -151,7 +153,10 @@ def _init_value(b, init: str, rng) -> np.ndarray:
     elif init == "ones":
         v = np.ones(b.shape, dt)
     elif init in ("glorot", "he", "uniform") and len(b.shape) >= 2:
-        fan_in, fan_out = b.shape[0], b.shape[-1]
+        # [in, out] for a dense weight, [kh, kw, in, out] (HWIO) for a convolution: each fan
+        # counts the receptive field too, as torch.nn.init does (fan_in = kh * kw * in)
+        receptive = int(np.prod(b.shape[:-2])) if len(b.shape) > 2 else 1
+        fan_in, fan_out = b.shape[-2] * receptive, b.shape[-1] * receptive
         if init == "he":
             v = rng.normal(0.0, math.sqrt(2.0 / fan_in), b.shape)
         else:
