@@ -52,7 +52,9 @@ def test_every_kernel_is_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
     for name, k in KERNELS.items():
         assert k.name == name and k.doc, name
-        assert k.cuda == f"streamsched.stdlib.cuda_kernels:{name}"
+        # the transformer kernels' twins live in a module of their own (kernels_transformer.py)
+        assert k.cuda in (f"streamsched.stdlib.cuda_kernels:{name}",
+                          f"streamsched.stdlib.cuda_kernels_transformer:{name}")
         assert (k.cpu is None) == k.host, name
         assert f"`{name}" in doc, f"docs/kernels.md lacks {name}"
 
@@ -422,8 +424,10 @@ def _sample(key):
 
 def test_samples_cover_every_cpu_kernel():
     from streamsched.stdlib.kernels_cnn import CNN_KERNELS  # covered by tests/test_kernels_cnn.py
+    from streamsched.stdlib.kernels_transformer import TRANSFORMER_KERNELS  # tests/test_kernels_transformer.py
 
-    assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items() if k.cpu and n not in CNN_KERNELS}
+    assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items()
+                                                if k.cpu and n not in CNN_KERNELS + TRANSFORMER_KERNELS}
 
 
 @pytest.mark.parametrize("key,out,inp", alias_cases(SAMPLES, lambda k: "matmul" if k == "matmul_t" else k))

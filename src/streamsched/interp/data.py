@@ -6,6 +6,10 @@ Sources (LANGUAGE.md, the `train` block)::
     digits(test = 0.2, seed = 0)   scikit-learn's bundled 8x8 digits, 1797 samples, stratified split
     idx("path/to/dir")             MNIST-format IDX files (train-/t10k- images and labels, .gz or not)
     npz("file.npz")                keys x_train, y_train, x_test, y_test; never unpickled
+    text("PATH or GLOB", context = T, test = 0.1, seed = 0)
+                                   byte-level tokens of UTF-8 text files, next-token windows;
+                                   text("<python-stdlib>") is the top-level .py files of
+                                   Python's standard library, a corpus every machine has
 
 Every user mistake is a `StreamschedError` with an X code (docs/data.md): X001 unknown source,
 X002 missing file (or one that is not a regular file), X003 corrupt file or values that are not
@@ -17,10 +21,12 @@ Nothing here imports CuPy.
 from __future__ import annotations
 
 import difflib
+import glob
 import gzip
 import math
 import os
 import stat
+import sysconfig
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,9 +36,10 @@ import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.interp.ir import Span
-from streamsched.reads import ReadError, data_limit, file_kind, human_size, open_regular, read_exactly, read_head, read_npz
+from streamsched.reads import (ReadError, data_limit, file_kind, human_size, open_regular, read_exactly, read_head,
+                               read_npz, read_regular)
 
-SOURCES = ("digits", "idx", "npz")
+SOURCES = ("digits", "idx", "npz", "text")
 """The data sources `load_dataset` knows, in the order the error message lists them."""
 
 REQUIRED = object()
@@ -46,6 +53,12 @@ class Dataset:
     x_train: f32 [N, *features], y_train: i32 [N] with values in [0, num_classes);
     x_test: f32 [M, *features], y_test: i32 [M].  name says where it came from
     (`digits(test=0.2, seed=0)`, `idx(/abs/dir)`, `npz(/abs/file.npz)`).
+
+    A `text` data set (kind "text") holds token windows instead: x_train, y_train u8
+    [N, context] are read-only sliding-window views of the training bytes (row i: bytes i ..
+    i+context-1 and the next byte of each, so nothing is copied), x_test, y_test u8 [M, context]
+    the test bytes cut into consecutive windows; epoch_samples (the windows of one epoch, drawn
+    from the N) is one pass over the training bytes, (bytes - 1) // context.
     """
 
     x_train: np.ndarray
@@ -54,6 +67,8 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     name: str
+    kind: str = "classes"
+    epoch_samples: int | None = None
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -136,14 +151,15 @@ def _is_number(v) -> bool:
 
 
 def load_dataset(source: str, args: tuple, kwargs: dict, *, base_dir: str, span: Span | None = None,
-                 limit: int | None = None) -> Dataset:
+                 limit: int | None = None, sample_shape: tuple[int, ...] | None = None) -> Dataset:
     """Load `source(*args, **kwargs)` from the `train` block's `data = ...` line.
 
     source: "digits" | "idx" | "npz"; args/kwargs: the literal arguments as parsed (numbers,
     strings); base_dir: the .sched file's folder, against which relative paths resolve;
     span: the `data = ...` line, put on every diagnostic; limit: the most bytes the data files may
     hold, decompressed, all arrays together (None: reads.data_limit(), 4 GiB unless
-    $STREAMSCHED_DATA_LIMIT says otherwise).
+    $STREAMSCHED_DATA_LIMIT says otherwise); sample_shape: the model input's shape per sample,
+    where `text` takes its context when the call does not give one.
     Returns a `Dataset` (x f32 [N, *features] in [0, 1] for digits and idx, y i32 [N]).
     Raises StreamschedError X001 unknown source, X002 missing file or folder (or one that is not a
     regular file), X003 corrupt or unreadable file, or values that are not finite numbers in f32
@@ -159,6 +175,8 @@ def load_dataset(source: str, args: tuple, kwargs: dict, *, base_dir: str, span:
         return _load_digits(a["test"], a["seed"], span)
     if source == "idx":
         return _load_idx_dir(a["path"], span, budget)
+    if source == "text":
+        return _load_text(a, span, budget, sample_shape)
     return _load_npz(a["path"], span, budget)
 
 
@@ -191,6 +209,8 @@ def data_paths(source: str, args: tuple, kwargs: dict, *, base_dir: str) -> list
         return []
     if source == "npz":
         return [a["path"]]
+    if source == "text":
+        return list(a["files"])
     if source == "idx":
         return [os.path.join(a["path"], base + gz) for names in _IDX_FILES.values() for base in names
                 for gz in ("", ".gz") if os.path.lexists(os.path.join(a["path"], base + gz))]
@@ -236,12 +256,15 @@ def check_source(source: str, args: tuple, kwargs: dict, *, base_dir: str, span:
             raise _err("X002", f"{source}: data {kind} `{path}` {what}", span,
                        help="relative paths are resolved against the folder of the .sched file that writes them")
         return {**a, "path": path}
+    if source == "text":
+        return _check_text(args, kwargs, base_dir, span)
     raise _err(
         "X001",
         f"unknown data source `{source}`",
         span,
         help=f"{_did_you_mean(source, SOURCES)}known sources: "
-        'digits(test = 0.2, seed = 0), idx("path/to/mnist"), npz("file.npz")',
+        'digits(test = 0.2, seed = 0), idx("path/to/mnist"), npz("file.npz"), '
+        'text("corpus/*.txt", context = 128)',
     )
 
 
@@ -532,6 +555,147 @@ def _make_dataset(x_tr, y_tr, x_te, y_te, name: str, span: Span | None, what: st
 
 
 # ---------------------------------------------------------------------------------------------
+# Text: byte-level tokens (vocabulary 256) of UTF-8 files, next-token windows
+
+
+def python_stdlib_files() -> list[str]:
+    """The top-level `.py` files of the running Python's standard library (the folder
+    `sysconfig.get_paths()["stdlib"]`, about 4.7 MB in CPython 3.12), sorted by name: the corpus
+    `text("<python-stdlib>")` reads, one every machine that runs streamsched has."""
+    d = sysconfig.get_paths()["stdlib"]
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    return sorted(os.path.join(d, n) for n in names
+                  if n.endswith(".py") and os.path.isfile(os.path.join(d, n)))
+
+
+CORPORA = {"<python-stdlib>": python_stdlib_files}
+"""Built-in corpora of `text("<NAME>")`: name -> the function listing their files."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _text_files(path, base_dir: str, span: Span | None) -> tuple[list[str], str]:
+    """(the files `text(path)` reads, in the order they are concatenated before any shuffle, and
+    how the path is shown): a built-in corpus `<NAME>`, a glob pattern (regular files it matches,
+    sorted; folders skipped), or one file.  X002 when nothing is there, X004 for an unknown
+    corpus or a path that is not a string."""
+    if isinstance(path, str) and path.startswith("<") and path.endswith(">"):
+        if path not in CORPORA:
+            raise _err("X004", f"text: unknown corpus `{path}`", span,
+                       help=f"{_did_you_mean(path, CORPORA)}built-in corpora: {', '.join(CORPORA)}; "
+                            'or give a file or a pattern, e.g. text("corpus/*.txt")')
+        files = CORPORA[path]()
+        if not files:
+            raise _err("X002", f"text: corpus `{path}` has no files here (looked in "
+                       f"`{sysconfig.get_paths()['stdlib']}`)", span,
+                       help='give your own text files, e.g. text("corpus/*.txt")')
+        return files, path
+    full = _resolve_path("text", path, base_dir, span)
+    if _GLOB_CHARS & set(os.fspath(path)):
+        found = []
+        for p in sorted(glob.glob(full, recursive=True)):
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                continue  # `corpus/*` may match folders; only files are text
+            if not stat.S_ISREG(st.st_mode):
+                raise _err("X002", f"text: `{p}` (matched by `{full}`) is {file_kind(st.st_mode)}, not a "
+                           "regular file", span, help="narrow the pattern to regular files, e.g. `*.txt`")
+            found.append(os.path.abspath(p))
+        if not found:
+            raise _err("X002", f"text: no file matches `{full}`", span,
+                       help="relative patterns are resolved against the folder of the .sched file that writes them")
+        return found, full
+    try:
+        st = os.stat(full)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        what = "does not exist" if st is None else f"is {file_kind(st.st_mode)}, not a regular file"
+        hint = (f'to read every file of a folder, write a pattern: text("{os.path.join(os.fspath(path), "*.txt")}")'
+                if st is not None and stat.S_ISDIR(st.st_mode) else
+                "relative paths are resolved against the folder of the .sched file that writes them")
+        raise _err("X002", f"text: data file `{full}` {what}", span, help=hint)
+    return [full], full
+
+
+def _check_text(args: tuple, kwargs: dict, base_dir: str, span: Span | None) -> dict:
+    a = bind_args("text", (("path", REQUIRED), ("context", None), ("test", 0.1), ("seed", 0)), args, kwargs, span)
+    if a["context"] is not None and (not _is_int(a["context"]) or a["context"] < 1):
+        raise _err("X004", f"text: context must be a whole number of tokens, at least 1, got {a['context']!r}",
+                   span, help="write e.g. `text(\"corpus.txt\", context = 128)`, the model's sequence length")
+    if not _is_number(a["test"]) or not 0.0 < float(a["test"]) < 1.0:
+        raise _err("X004", f"text: test fraction must be a number strictly between 0 and 1, got {a['test']!r}",
+                   span, help="write e.g. `test = 0.1` to hold out the last 10% of the text")
+    if not _is_int(a["seed"]) or a["seed"] < 0:
+        raise _err("X004", f"text: seed must be a non-negative integer, got {a['seed']!r}", span,
+                   help="write e.g. `seed = 0` (0 keeps the files in name order)")
+    files, shown = _text_files(a["path"], base_dir, span)
+    return {**a, "files": files, "shown": shown}
+
+
+def _load_text(a: dict, span: Span | None, budget: _Budget, sample_shape: tuple[int, ...] | None) -> Dataset:
+    """The corpus `a` (check_text's result) as a Dataset of next-token windows (Dataset's
+    docstring): the files read under the data limit, each required to be UTF-8, concatenated
+    (in name order, or shuffled by rng(seed) when seed > 0), the last `test` fraction of the
+    bytes held out."""
+    context = a["context"]
+    if context is None:
+        if not sample_shape or len(sample_shape) != 1:
+            raise _err("X004", "text: needs `context`, the tokens per sample", span,
+                       help='write e.g. `text("corpus.txt", context = 128)`, the length of the model\'s input')
+        context = int(sample_shape[0])
+    files = list(a["files"])
+    if a["seed"]:
+        files = [files[i] for i in np.random.default_rng(int(a["seed"])).permutation(len(files))]
+    chunks = []
+    for path in files:
+        try:
+            raw = read_regular(path, budget.left, "the data limit")
+        except ReadError as e:
+            if e.why == "too_large":
+                raise budget.too_large(f"text: `{path}`", max(os.path.getsize(path), budget.left + 1), span) from None
+            code = "X002" if e.why in ("missing", "not_regular") else "X003"
+            raise _err(code, f"text: `{path}` {e.message}", span) from None
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise _err("X003", f"text: `{path}` is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                       f"(line {line}) {e.reason}", span,
+                       help="text() reads UTF-8 (ASCII is UTF-8): convert the file, e.g. "
+                            "`iconv -f latin1 -t utf-8 FILE > FILE.utf8`, or leave it out of the pattern") from None
+        budget.used += len(raw)
+        chunks.append(raw)
+    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    n = len(tokens)
+    where = f"`{a['shown']}`" + (f" ({len(files)} files)" if len(files) > 1 else "")
+    if n == 0:
+        raise _err("X003", f"text: {where} is empty", span, help="give text files that hold some text")
+    test = float(a["test"])
+    n_test = math.ceil(test * n)
+    n_train = n - n_test
+    for side, k in (("training", n_train), ("test", n_test)):
+        if k < context + 1:
+            raise _err("X003", f"text: {where} holds {n} bytes; with test = {test} the {side} split has {k}, too few "
+                       f"for one window of context = {context} (and its next byte: {context + 1} bytes)", span,
+                       help="use more text, a smaller context, or another test fraction")
+    train, held = tokens[:n_train], tokens[n_train:]
+    sw = np.lib.stride_tricks.sliding_window_view
+    x_tr, y_tr = sw(train[:-1], context), sw(train[1:], context)
+    m = (n_test - 1) // context
+    x_te, y_te = held[:m * context].reshape(m, context), held[1:m * context + 1].reshape(m, context)
+    name = f"text({a['shown']}, context={context}, test={test}, seed={int(a['seed'])})"
+    return Dataset(x_tr, y_tr, x_te, y_te, num_classes=int(tokens.max()) + 1, name=name, kind="text",
+                   epoch_samples=(n_train - 1) // context)
+
+
+# ---------------------------------------------------------------------------------------------
 # Model fit
 
 
@@ -563,7 +727,7 @@ def check_compatible(
         raise _err("X005", f"the model's label input is {label_dtype}, but data labels are integer class "
                    "indices", span, help="declare the label input as i32, e.g. `input y : i32[batch]`")
     if num_classes is not None and ds.num_classes > num_classes:
-        top = int(max(ds.y_train.max(), ds.y_test.max() if len(ds.y_test) else 0))
+        top = ds.num_classes - 1
         raise _err("X005", f"data `{ds.name}` has labels up to {top} but the model has {num_classes} "
                    f"classes (0..{num_classes - 1})", span,
                    help=f"give the model's output layer at least {ds.num_classes} units")
@@ -576,10 +740,14 @@ def check_compatible(
 class Batches:
     """Fixed-size shuffled batches over (x, y); the order of epoch e depends only on (seed, e).
 
-    x: [N, *features], y: [N]; yields xb f32 [batch, *features] and yb i32 [batch], both
-    C-contiguous copies.  Each epoch draws one permutation from
-    `np.random.default_rng([seed, e])` (a SeedSequence of the pair), so a run resumed at epoch e,
-    step k (`epoch(e, start=k)`) sees exactly the batches it would have seen.
+    x: [N, *features], y: [N] (or [N, t], a text model's next-token labels); yields xb f32
+    [batch, *features] and yb i32 [batch], both C-contiguous copies (integer x, token windows,
+    and y keep their own integer dtype and are never copied whole: a text data set's windows
+    are views).  Each epoch draws one permutation from `np.random.default_rng([seed, e])` (a
+    SeedSequence of the pair), so a run resumed at epoch e, step k (`epoch(e, start=k)`) sees
+    exactly the batches it would have seen.  epoch_samples (default N) is how many samples an
+    epoch takes: the first epoch_samples of its permutation (a text epoch is one pass over the
+    training bytes, in random windows out of every position).
 
     drop_last=True: N // batch batches; the N % batch samples left at the end of this epoch's
     permutation sit out (different ones each epoch).  drop_last=False: ceil(N / batch) batches;
@@ -590,18 +758,20 @@ class Batches:
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, seed: int, drop_last: bool = True,
-                 span: Span | None = None):
+                 span: Span | None = None, epoch_samples: int | None = None):
         if len(x) != len(y):
             raise ValueError(f"Batches: {len(x)} samples but {len(y)} labels")
-        n = len(x)
+        n = len(x) if epoch_samples is None else min(int(epoch_samples), len(x))
         if not _is_int(batch) or batch < 1 or batch > n:
-            raise _err("X006", f"batch size {batch} does not fit the {n} training samples",
+            what = "training samples" if epoch_samples is None else "windows of one epoch"
+            raise _err("X006", f"batch size {batch} does not fit the {n} {what}",
                        span, help=f"use a batch size between 1 and {n} (the model's `batch` parameter)")
-        self.x = np.ascontiguousarray(x, dtype=np.float32)
-        self.y = np.ascontiguousarray(y, dtype=np.int32)
+        self.x = x if x.dtype.kind in "iu" else np.ascontiguousarray(x, dtype=np.float32)
+        self.y = y if y.ndim > 1 and y.dtype.kind in "iu" else np.ascontiguousarray(y, dtype=np.int32)
         self.batch = int(batch)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.epoch_samples = n
 
     @property
     def num_samples(self) -> int:
@@ -609,7 +779,7 @@ class Batches:
 
     @property
     def steps_per_epoch(self) -> int:
-        n, b = len(self.x), self.batch
+        n, b = self.epoch_samples, self.batch
         return n // b if self.drop_last else -(-n // b)
 
     def order(self, e: int) -> np.ndarray:

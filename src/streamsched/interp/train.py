@@ -334,7 +334,9 @@ def _call(v: Any, default_name: str) -> tuple[str, tuple, dict]:
 
 def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Mean loss and accuracy of the model's forward pass on (x, y), NumPy on the host, in
-    chunks of the model's batch (the last chunk padded, padding ignored)."""
+    chunks of the model's batch (the last chunk padded, padding ignored).  A sequence model's
+    logits have several rows per sample ([batch * t, classes] for labels y [N, t], row-major):
+    the loss and accuracy are then the means over every token."""
     m = program.model
     bufs = {b.name: b for b in program.buffers}
     batch = m.batch
@@ -352,6 +354,7 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
     yin = next((n for n in names if n.split("[")[0] == lab), None)
     correct = 0
     total_loss = 0.0
+    count = 0
     n = len(x)
     for s in range(0, n, batch):
         xb = x[s:s + batch]
@@ -366,13 +369,16 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
             kern = KERNELS[t.kernel]
             kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
         logits = arrs[m.logits]
-        correct += int((logits[:k].argmax(axis=1) == yb).sum())
+        rows = k * (len(logits) // batch)  # the rows of the real samples (one per token)
+        yr = np.asarray(yb).reshape(-1)
+        correct += int((logits[:rows].argmax(axis=1) == yr).sum())
         # the batch loss averages over padding rows too: recompute on the real rows
-        z = logits[:k].astype(np.float64)
+        z = logits[:rows].astype(np.float64)
         z = z - z.max(axis=1, keepdims=True)
         lse = np.log(np.exp(z).sum(axis=1))
-        total_loss += float((lse - z[np.arange(k), yb]).sum())
-    return total_loss / n, correct / n
+        total_loss += float((lse - z[np.arange(rows), yr]).sum())
+        count += rows
+    return total_loss / count, correct / count
 
 
 def _fit_samples(ds, in_shape):
@@ -616,16 +622,17 @@ class _Run:
     def load_data(self):
         m = self.m
         dname, dargs, dkw = self.data
-        ds = load_dataset(dname, dargs, dkw, base_dir=self.data_base, span=self.spans.get("data"),
-                          limit=self.opts.data_limit)
         feat, lab = _input_names(self.program)
         in_shape = next(s for n, s, _ in m.inputs if n == feat)
+        ds = load_dataset(dname, dargs, dkw, base_dir=self.data_base, span=self.spans.get("data"),
+                          limit=self.opts.data_limit, sample_shape=tuple(in_shape[1:]))
         lab_dtype = next((d for n, _, d in m.inputs if n == lab), "i32")
         self.classes = dict((b.name, b.shape) for b in self.program.buffers).get(m.logits, (0, 0))[-1]
         ds = _fit_samples(ds, in_shape)
         check_compatible(ds, in_shape, lab_dtype, self.classes, self.spans.get("data"))
         self.ds, self.feat = ds, feat
-        self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"))
+        self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"),
+                               epoch_samples=ds.epoch_samples)
         self.spe = self.batches.steps_per_epoch
 
     def lr_request(self) -> tuple[str, tuple, dict, Any]:
@@ -820,6 +827,8 @@ class _Run:
         if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1:
             tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
             rec.update(test_loss=tl, test_acc=acc)
+            if self.ds.kind == "text":  # bytes are the tokens: the loss in bits per byte
+                rec["test_bpb"] = tl / math.log(2)
         why = divergence(rec["train_loss"], self.best, self.classes) if losses else None
         if why:
             rec["diverged"] = True
@@ -839,6 +848,8 @@ class _Run:
             line = f"epoch {e + 1}/{self.epochs}: train loss {rec['train_loss']:.4f}"
             if "test_acc" in rec:
                 line += f", test loss {rec['test_loss']:.4f}, test accuracy {100 * rec['test_acc']:.2f}%"
+            if "test_bpb" in rec:
+                line += f", {rec['test_bpb']:.4f} bits per byte"
             self.say(line + f", {time.perf_counter() - self.epoch_t0:.2f} s")
 
     def write_log(self, rec: dict) -> None:

@@ -139,7 +139,8 @@ def _type_attrs(k: str, attrs: dict) -> TensorType:
 
 def _register(name: str, inputs: str, outputs: str, infer: Callable, cpu: Callable | None,
               attrs: dict[str, Any] | None = None, *, doc: str, host: bool = False,
-              capturable: bool = True, inplace: bool = True) -> None:
+              capturable: bool = True, inplace: bool = True,
+              cuda_module: str = "streamsched.stdlib.cuda_kernels") -> None:
     ins = tuple(inputs.split())
     outs = tuple(outputs.split())
     defaults = dict(attrs or {})
@@ -166,7 +167,7 @@ def _register(name: str, inputs: str, outputs: str, infer: Callable, cpu: Callab
             cpu(ins_, outs_, merged(given))
 
     KERNELS[name] = Kernel(name=name, inputs=ins, outputs=outs, infer=checked_infer, cpu=run,
-                           attrs=defaults, cuda=f"streamsched.stdlib.cuda_kernels:{name}",
+                           attrs=defaults, cuda=f"{cuda_module}:{name}",
                            host=host, capturable=capturable, doc=doc.strip(), inplace=inplace)
 
 
@@ -449,9 +450,11 @@ def _xent_check(k, names, t, il: int, ilab: int) -> str:
     if sl[0] == 0 or sl[1] == 0:
         raise KernelTypeError(f"{k}: {names[il]} {_fmt(sl)} is empty", arg=il)
     dt = _floats(k, t, names, (il,))
-    if len(sy) != 1 or sy[0] != sl[0]:
-        raise KernelTypeError(f"{k}: {names[ilab]} must be [{sl[0]}], one class index per row of "
-                              f"{names[il]} {_fmt(sl)}, got {_fmt(sy)}", arg=ilab)
+    # [n], or any shape holding n labels in row-major order: [b, t] next-token labels for the
+    # [b*t, c] logits of a sequence model.
+    if len(sy) < 1 or math.prod(sy) != sl[0]:
+        raise KernelTypeError(f"{k}: {names[ilab]} must be [{sl[0]}] (or hold {sl[0]} labels, row-major), "
+                              f"one class index per row of {names[il]} {_fmt(sl)}, got {_fmt(sy)}", arg=ilab)
     if t[ilab][1] not in INTS:
         raise KernelTypeError(f"{k}: {names[ilab]} must be an integer dtype (i32), "
                               f"got {t[ilab][1]}", arg=ilab, code="S004")
@@ -475,7 +478,7 @@ def _xent_grad_infer(k, names, t, at):
 
 
 def _labels(k: str, labels: np.ndarray, c: int) -> np.ndarray:
-    lab = np.asarray(labels).astype(np.int64, copy=False)
+    lab = np.asarray(labels).reshape(-1).astype(np.int64, copy=False)
     bad = (lab < 0) | (lab >= c)
     if bad.any():
         i = int(np.argmax(bad))
@@ -509,7 +512,8 @@ _register("softmax_xent", "logits labels", "loss", _xent_infer, _xent_cpu, doc="
 loss = mean over the batch of -log softmax(logits)[label] = mean_i(logsumexp(logits_i) -
 logits_i[labels_i]), computed after subtracting each row's max (f16 in f32); as PyTorch's
 torch.nn.functional.cross_entropy with reduction="mean".
-logits: [n, c] float, labels: [n] i32 or i64 -> loss: [] in logits' dtype, f32 for f16 logits.
+logits: [n, c] float, labels: [n] i32 or i64 (or any shape of n labels, row-major: [b, t] for
+the [b*t, c] logits of a sequence) -> loss: [] in logits' dtype, f32 for f16 logits.
 A label outside 0..c-1 raises ValueError when the kernel runs.
 """)
 _register("softmax_xent_grad", "dloss logits labels", "dlogits", _xent_grad_infer, _xent_grad_cpu,
@@ -773,6 +777,7 @@ def infer_types(name: str, in_types: Sequence[TensorType],
 
 from dataclasses import replace as _dc_replace  # noqa: E402
 import streamsched.stdlib.kernels_cnn  # noqa: E402,F401  (registers the CNN, batch-norm, dropout and AMP kernels)
+import streamsched.stdlib.kernels_transformer  # noqa: E402,F401  (embedding, layer norm, attention, AdamW, clipping)
 
 # Kernels that read other elements than the one they write: none of their outputs may share
 # storage with an input (Kernel.inplace; the CUDA twins of the convolutions and pools refuse
