@@ -42,3 +42,14 @@ def ctx(cp):
     c = DeviceContext(["s0", "s1"])
     yield c
     c.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (full training runs, minutes each) run only when asked for:
+    `pytest -m slow`, or STREAMSCHED_SLOW=1; the suite CI runs stays fast."""
+    if "slow" in (config.getoption("-m") or "") or os.environ.get("STREAMSCHED_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with `pytest -m slow` (or STREAMSCHED_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -559,11 +559,14 @@ NOT_CALLED = {
 
 def _kernel_calls() -> dict[str, tuple[str, list, dict]]:
     """A valid call of every kernel with a CPU kernel: the samples the kernel tests run
-    (tests/test_kernels.py, tests/test_kernels_cnn.py), each with attributes of its own."""
+    (tests/test_kernels.py, tests/test_kernels_cnn.py, tests/test_kernels_transformer.py), each
+    with attributes of its own."""
     from test_kernels import SAMPLES as core
     from test_kernels_cnn import SAMPLES as cnn
+    from test_kernels_transformer import SAMPLES as transformer
 
-    return {key: ("matmul" if key == "matmul_t" else key, ins, attrs) for key, (ins, attrs) in {**core, **cnn}.items()}
+    return {key: ("matmul" if key == "matmul_t" else key, ins, attrs)
+            for key, (ins, attrs) in {**core, **cnn, **transformer}.items()}
 
 
 CALLS = _kernel_calls()

@@ -2,8 +2,8 @@
 own policy, is planned, and runs two training steps on the CPU with no race; the test loss and
 accuracy it reports are recomputed here from its final weights by a NumPy forward pass written
 from the example's model lines (in f64, also for the f16 examples, whose evaluation computes in
-f32; the inference forms: batch norm on running statistics, dropout the identity), and every
-weight moved."""
+f32; the inference forms: batch norm on running statistics, dropout the identity; the GPT's in
+tests/gpt_reference.py, per token), and every weight moved."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from gpt_reference import gpt_logits
 from streamsched.interp.data import load_dataset
 from streamsched.interp.train import TrainOptions, train
 from streamsched.pipeline import compile_file
@@ -67,6 +68,10 @@ FORWARD = {
     "resnet_digits_amp.sched": _resnet,
     "resnet_lars.sched": _resnet,
     "seed_step.sched": _resnet,
+    "gpt_text.sched": lambda p, x: np.concatenate([gpt_logits(p, x[i:i + 256]) for i in range(0, len(x), 256)]),
+}
+DATA = {  # the examples' `data = ...`, when it is not digits(test = 0.2, seed = 0)
+    "gpt_text.sched": ("text", ("<python-stdlib>",), {"context": 64, "test": 0.02}),
 }
 
 
@@ -96,14 +101,18 @@ def test_example_checks_clean_and_runs_two_steps(path):
     (rec,) = res.history
     assert math.isfinite(rec["train_loss"])
     # The reported test loss and accuracy are those of the final weights on the test split.
-    ds = load_dataset("digits", (), {"test": 0.2, "seed": 0}, base_dir=base)
+    ds = load_dataset(*DATA.get(name, ("digits", (), {"test": 0.2, "seed": 0})), base_dir=base)
     p = {k: v.astype(np.float64) for k, v in res.params.items()}
-    z = FORWARD[name](p, ds.x_test.astype(np.float64))
+    x = ds.x_test if ds.kind == "text" else ds.x_test.astype(np.float64)
+    z = FORWARD[name](p, x)
+    labels = ds.y_test.reshape(-1)  # one per row of z: a sample's, or every token's
     zs = z - z.max(axis=1, keepdims=True)
-    want_loss = float((np.log(np.exp(zs).sum(axis=1)) - zs[np.arange(len(z)), ds.y_test]).mean())
-    want_acc = float((z.argmax(axis=1) == ds.y_test).mean())
+    want_loss = float((np.log(np.exp(zs).sum(axis=1)) - zs[np.arange(len(z)), labels]).mean())
+    want_acc = float((z.argmax(axis=1) == labels).mean())
     assert rec["test_loss"] == pytest.approx(want_loss, rel=1e-6)
     assert rec["test_acc"] == want_acc
+    if ds.kind == "text":
+        assert rec["test_bpb"] == pytest.approx(want_loss / math.log(2), rel=1e-6)
     # The steps updated every weight (a weight with no gradient would sit still; a conv bias
     # before a batch norm may, its gradient is zero up to rounding).
     init = train(c, TrainOptions(backend="cpu", max_steps=0, progress=False), base_dir=base)

@@ -1,0 +1,206 @@
+"""examples/gpt_text.sched as numbers: its losses are those of an independent NumPy GPT
+(tests/gpt_reference.py) on the very batches the run drew, its whole backward pass (every fork,
+every fan-out sum) is the gradient of that GPT by central finite differences, clipping by global
+norm scales every gradient by one factor to the global norm asked, and the step forks as the
+issue asks (the Q, K, V GEMMs independent, attention's dq, dk, dv and layer norm's dgamma, dbeta,
+dx on three streams each).  A slow test (`pytest -m slow`) trains the example for its configured
+run and compares its test bits per byte with a byte-bigram model counted here."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from gpt_reference import gpt_loss
+from streamsched.interp.data import Batches, load_dataset
+from streamsched.interp.train import TrainOptions, init_params, train
+from streamsched.pipeline import compile_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "gpt_text.sched")
+SRC = open(EXAMPLE, encoding="utf-8").read()
+OPTIMIZE = SRC[SRC.index("graph optimize"):SRC.index("step train")]
+DATA = ("text", ("<python-stdlib>",), {"context": 64, "test": 0.02})
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return load_dataset(*DATA, base_dir=ROOT)
+
+
+def _batch(ds, k, seed=0, batch=BATCH):
+    """The windows step k (from 0) of epoch 1 trains on, as the run draws them."""
+    b = Batches(ds.x_train, ds.y_train, batch, seed, epoch_samples=ds.epoch_samples)
+    sel = b.order(0)[k * batch:(k + 1) * batch]
+    return ds.x_train[sel], ds.y_train[sel]
+
+
+def _f64(params):
+    return {k: v.astype(np.float64) for k, v in params.items()}
+
+
+HEADER = "model gpt(batch = 16, context = 64, width = 64, heads = 4, hidden = 256)"
+SMALL = "model gpt(batch = 2, context = 16, width = 16, heads = 2, hidden = 32)"
+
+
+def _small(tmp_path, optimize: str):
+    """The example's very model lines and step at a small size (so that finite differences over
+    the whole model are quick), with another optimizer graph."""
+    assert HEADER in SRC and 'context = 64, test = 0.02' in SRC
+    text = SRC.replace(OPTIMIZE, optimize + "\n\n").replace(HEADER, SMALL)
+    p = tmp_path / "gpt_small.sched"
+    p.write_text(text.replace("context = 64, test = 0.02", "context = 16, test = 0.02"))
+    c = compile_file(str(p))
+    assert c.ok, c.diagnostics
+    return c
+
+
+def _run(c, steps, base, **kw):
+    return train(c, TrainOptions(backend="cpu", max_steps=steps, progress=False, eval_every=1000, **kw),
+                 base_dir=base)
+
+
+def test_the_example_checks_clean():
+    assert OPTIMIZE.count("adamw(") == 1 and "clip_grad_norm" in OPTIMIZE
+    c = compile_file(EXAMPLE)
+    assert c.ok, c.diagnostics
+
+
+def test_step_losses_are_those_of_an_independent_gpt_on_the_drawn_batches(ds):
+    """Step k's loss is computed from the parameters after k - 1 AdamW steps (with clipping) on
+    batch k: both recomputed here, the parameters by the run itself, the loss independently."""
+    c = compile_file(EXAMPLE)
+    base = os.path.dirname(EXAMPLE)
+    p0 = _f64(init_params(c.program, 0))
+    r1 = _run(c, 1, base)
+    x, y = _batch(ds, 0)
+    assert r1.history[0]["train_loss"] == pytest.approx(gpt_loss(p0, x, y), rel=1e-6)
+    r3, r4 = _run(c, 3, base), _run(c, 4, base)
+    loss4 = 4 * r4.history[0]["train_loss"] - 3 * r3.history[0]["train_loss"]
+    x, y = _batch(ds, 3)
+    assert loss4 == pytest.approx(gpt_loss(_f64(r3.params), x, y), rel=1e-5)
+    assert loss4 < r1.history[0]["train_loss"]  # it learns
+
+
+def _sgd_gradient(tmp_path, optimize):
+    """The gradient the run applied in its first step, recovered from one SGD step at lr 1
+    (g = w0 - w1; f32 rounding of w0 - g leaves an error of at most an ulp of w)."""
+    c = _small(tmp_path, optimize)
+    w0 = init_params(c.program, 0)
+    w1 = _run(c, 1, str(tmp_path), lr=1.0).params
+    return {n: w0[n].astype(np.float64) - w1[n].astype(np.float64) for n in c.program.model.params}, w0
+
+
+def test_the_whole_backward_is_the_gradient_of_an_independent_gpt(tmp_path):
+    g, w0 = _sgd_gradient(tmp_path, "graph optimize on update { sgd(gpt, lr, momentum = 0.0) }")
+    p = _f64(w0)
+    x, y = _batch(load_dataset("text", ("<python-stdlib>",), {"context": 16, "test": 0.02}, base_dir=ROOT),
+                  0, batch=2)
+    rng = np.random.default_rng(5)
+    checked = 0
+    for name in g:  # six coordinates of every parameter, by central differences in float64
+        flat = p[name].reshape(-1)
+        for i in rng.choice(flat.size, min(6, flat.size), replace=False):
+            if name == "tok.table":  # a row of a byte the batch holds
+                d = p[name].shape[1]
+                i = int(rng.choice(x.reshape(-1))) * d + int(rng.integers(d))
+            old, eps = flat[i], 1e-5  # the layer norms of tiny embeddings curve sharply
+            flat[i] = old + eps
+            lp = gpt_loss(p, x, y, heads=2)
+            flat[i] = old - eps
+            lm = gpt_loss(p, x, y, heads=2)
+            flat[i] = old
+            want = (lp - lm) / (2 * eps)
+            got = g[name].reshape(-1)[i]
+            assert got == pytest.approx(want, rel=2e-3, abs=2e-6 + 2e-7 * abs(float(old))), (name, i)
+            checked += 1
+    assert checked == 6 * len(g)
+    # a byte no window of the batch holds gets no gradient, and nothing else moved it
+    unseen = np.setdiff1d(np.arange(256), x)
+    assert not g["tok.table"][unseen].any()
+
+
+def test_clipping_scales_every_gradient_by_one_factor_to_the_global_norm(tmp_path):
+    g, _ = _sgd_gradient(tmp_path, "graph optimize on update { sgd(gpt, lr, momentum = 0.0) }")
+    clipped, _ = _sgd_gradient(tmp_path, """graph optimize on update {
+    clear gnorm
+    grad_sumsq(gpt, gnorm)
+    clip_scale(gnorm, clip, max_norm = 0.01)
+    clip_grad_norm(gpt, clip)
+    sgd(gpt, lr, momentum = 0.0)
+}""")
+    norm = math.sqrt(sum(float((v * v).sum()) for v in g.values()))
+    assert norm > 0.01  # so the clipping acts
+    factor = 0.01 / (norm + 1e-6)
+    for name in g:
+        np.testing.assert_allclose(clipped[name], g[name] * factor, rtol=1e-3,
+                                   atol=1e-7 * max(1.0, float(np.abs(g[name]).max())))
+    total = math.sqrt(sum(float((v * v).sum()) for v in clipped.values()))
+    assert total == pytest.approx(0.01, rel=1e-3)
+
+
+def _reaches(edges, n):
+    """reach[u] = the tasks ordered after task u (the transitive closure of the edges)."""
+    succ = [[] for _ in range(n)]
+    for e in edges:
+        succ[e.u].append(e.v)
+    reach = [set() for _ in range(n)]
+    for u in reversed(range(n)):  # edges go from earlier to later tasks
+        for v in succ[u]:
+            reach[u] |= {v} | reach[v]
+    return reach
+
+
+def test_the_step_forks_as_a_transformer_step_should():
+    c = compile_file(EXAMPLE)
+    tasks = c.schedule.tasks
+    assert [t.id for t in tasks] == list(range(len(tasks)))
+    reach = _reaches(c.edges, len(tasks))
+
+    def one(label):
+        (t,) = [t for t in tasks if t.step == 0 and t.label == f"pass[a]: {label}"]
+        return t
+
+    for i in (1, 2):
+        # the Q, K, V projections: three GEMMs of one input on three streams, none ordered
+        # after another, so they can run at once
+        proj = [one(f"linear@{x}{i}") for x in "qkv"]
+        assert {t.kernel for t in proj} == {"matmul"} and len({t.stream for t in proj}) == 3
+        assert not any(b.id in reach[a.id] for a in proj for b in proj)
+        # attention's backward: dq, dk, dv on three streams; dv is not ordered before dq or dk
+        grads = [one(f"attention.backward@a{i}.{o}") for o in ("dq", "dk", "dv")]
+        assert len({t.stream for t in grads}) == 3
+        assert not any(g.id in reach[grads[2].id] for g in grads[:2])
+        for ln in (f"n{i}", f"m{i}"):  # layer norm's backward: dx, dgamma, dbeta on three streams
+            parts = [one(f"layernorm.backward@{ln}.{o}") for o in ("dx", "dgamma", "dbeta")]
+            assert len({t.stream for t in parts}) == 3
+            assert not any(b.id in reach[a.id] for a in parts for b in parts)
+    # clipping on the update stream, in order: every squared norm, the factor, every scaling,
+    # then every AdamW update
+    opt = [t for t in tasks if t.step == 0 and t.label.startswith("optimize:")]
+    kinds = [t.kernel for t in opt if t.kernel != "fill"]
+    n = len(c.program.model.params)
+    assert kinds == ["grad_sumsq"] * n + ["clip_scale"] + ["scale_grad"] * n + ["adamw_step"] * n
+    assert {t.stream for t in opt} == {"update"}
+
+
+@pytest.mark.slow
+def test_training_beats_a_byte_bigram_model(ds):
+    """The example's configured run (its two epochs, a few minutes on a CPU): the test bits per
+    byte well below a byte-bigram model's, counted here from the training bytes (add-0.1
+    smoothing) and scored on the same test windows."""
+    c = compile_file(EXAMPLE)
+    res = train(c, TrainOptions(backend="cpu", progress=False), base_dir=os.path.dirname(EXAMPLE))
+    bpb = res.history[-1]["test_bpb"]
+    train_bytes = np.concatenate([ds.x_train[0], ds.y_train[:, -1]])
+    counts = np.zeros((256, 256))
+    np.add.at(counts, (train_bytes[:-1], train_bytes[1:]), 1.0)
+    prob = (counts + 0.1) / (counts.sum(axis=1, keepdims=True) + 25.6)
+    bigram = float(-np.log2(prob[ds.x_test.reshape(-1), ds.y_test.reshape(-1)]).mean())
+    print(f"\ngpt_text: test {bpb:.4f} bits per byte after {res.steps} steps in {res.wall_s:.0f} s; "
+          f"byte bigram {bigram:.4f}")
+    assert bpb < bigram - 0.5
