@@ -3,7 +3,8 @@
 every fan-out sum) is the gradient of that GPT by central finite differences, clipping by global
 norm scales every gradient by one factor to the global norm asked, and the step forks as the
 issue asks (the Q, K, V GEMMs independent, attention's dq, dk, dv and layer norm's dgamma, dbeta,
-dx on three streams each).  A slow test (`pytest -m slow`) trains the example for its configured
+dx on three streams each); attention written as its three pieces with dropout on the
+probabilities trains as the fused op at p = 0 and evaluates without dropout.  A slow test (`pytest -m slow`) trains the example for its configured
 run and compares its test bits per byte with a byte-bigram model counted here."""
 
 from __future__ import annotations
@@ -204,3 +205,60 @@ def test_training_beats_a_byte_bigram_model(ds):
     print(f"\ngpt_text: test {bpb:.4f} bits per byte after {res.steps} steps in {res.wall_s:.0f} s; "
           f"byte bigram {bigram:.4f}")
     assert bpb < bigram - 0.5
+
+
+FUSED = "    a1     = attention(q1, k1, v1, heads = heads, context = context)\n"
+PIECES = """    s1     = attention_scores(q1, k1, heads = heads, context = context)
+    w1     = softmax(s1)
+    d1     = dropout(w1, p = P)
+    a1     = attention_apply(d1, v1)
+"""
+
+
+def _pieces(tmp_path, p: float, name: str):
+    assert FUSED in SRC
+    text = SRC.replace(OPTIMIZE, "graph optimize on update { sgd(gpt, lr, momentum = 0.0) }\n\n")
+    text = text.replace(HEADER, SMALL).replace("context = 64, test = 0.02", "context = 16, test = 0.02")
+    path = tmp_path / name
+    path.write_text(text.replace(FUSED, PIECES.replace("P", repr(p))) if p is not None else text)
+    c = compile_file(str(path))
+    assert c.ok, c.diagnostics
+    return c
+
+
+def test_attention_in_pieces_with_dropout_on_the_probabilities(tmp_path):
+    """The three attention ops with dropout between softmax and the weighted sum: with p = 0 they
+    train exactly as the fused `attention` op; with p = 0.5 the mask changes the step, and
+    evaluation (dropout the identity) sees the weights alone."""
+    fused = _pieces(tmp_path, None, "fused.sched")
+    zero = _pieces(tmp_path, 0.0, "zero.sched")
+    half = _pieces(tmp_path, 0.5, "half.sched")
+    a, b = _run(fused, 2, str(tmp_path), lr=0.1), _run(zero, 2, str(tmp_path), lr=0.1)
+    assert a.history[0]["train_loss"] == b.history[0]["train_loss"]
+    for n in fused.program.model.params:
+        np.testing.assert_array_equal(a.params[n], b.params[n])
+    r = train(half, TrainOptions(backend="cpu", max_steps=2, progress=False, lr=0.1), base_dir=str(tmp_path))
+    assert r.history[0]["train_loss"] != a.history[0]["train_loss"]
+    assert not np.array_equal(r.params["q1.w"], a.params["q1.w"])
+    ds16 = load_dataset("text", ("<python-stdlib>",), {"context": 16, "test": 0.02}, base_dir=ROOT)
+    from gpt_reference import cross_entropy_sum, gpt_logits
+    p = _f64(r.params)
+    z = np.concatenate([gpt_logits(p, ds16.x_test[i:i + 256], heads=2) for i in range(0, len(ds16.x_test), 256)])
+    want = cross_entropy_sum(z, ds16.y_test.reshape(-1)) / ds16.y_test.size
+    assert r.history[0]["test_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_attention_needs_its_heads_and_context(tmp_path):
+    from streamsched.diagnostics import StreamschedError
+
+    p = tmp_path / "no_heads.sched"
+    p.write_text(SRC.replace(FUSED, "    a1     = attention(q1, k1, v1, context = context)\n"))
+    with pytest.raises(StreamschedError) as e:
+        compile_file(str(p))
+    (d,) = e.value.diagnostics
+    assert d.code == "S005" and "needs the dimension `heads`" in d.message
+    p.write_text(SRC.replace(FUSED, "    a1     = attention(q1, k1, v1, heads = 3, context = context)\n"))
+    with pytest.raises(StreamschedError) as e:
+        compile_file(str(p))
+    (d,) = e.value.diagnostics
+    assert d.code == "S003" and "64 does not split into 3 heads" in d.message and d.span.line == SRC[:SRC.index(FUSED)].count("\n") + 1
