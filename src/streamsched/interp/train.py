@@ -140,7 +140,7 @@ class CpuRunner:
         from streamsched.interp.memory import allocate_arrays
 
         self.arrays = allocate_arrays(compiled.schedule.buffers)
-        self.ex = CpuExecutor(compiled.schedule, self.arrays, KERNELS, interleave=interleave, seed=seed,
+        self.ex = CpuExecutor(compiled.schedule, self.arrays, compiled.program.kernels, interleave=interleave, seed=seed,
                               detect_races=detect_races)
 
     def run(self, instrs, host_fn) -> None:
@@ -281,7 +281,7 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
             arrs[yin][...] = 0
             arrs[yin][:k] = yb
         for t in fwd:
-            kern = KERNELS[t.kernel]
+            kern = program.kernels[t.kernel]
             kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
         logits = arrs[m.logits]
         correct += int((logits[:k].argmax(axis=1) == yb).sum())
