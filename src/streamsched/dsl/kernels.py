@@ -80,6 +80,8 @@ class _KernelCompiler:
         self.kinds: dict[str, str] = {}  # name -> input | attr | local | output
         self.reductions: dict[Any, tuple] = {}  # placeholder symbol -> (kind, axis, map, span)
         self.dims: set[str] = set()
+        self.reads_of: dict[str, set[int]] = {}  # name -> the inputs it reads, as written
+        self.reading: list[set[int]] = []  # the inputs each open reduction reads, as written
 
     def fail(self, code: str, msg: str, span: Span | None, help: str = "", labels=()) -> None:
         self.res.err(code, msg, span, help=help, labels=labels)
@@ -100,6 +102,7 @@ class _KernelCompiler:
                 dims = self.pattern(prm.type, bind=True)
                 dt = self.dtype(prm.type, inputs=True)
                 self.values[n] = L.a(len(params))
+                self.reads_of[n] = {len(params)}
                 self.kinds[n] = "input"
                 params.append(L.Param(n, dt, dims))
             else:
@@ -145,7 +148,9 @@ class _KernelCompiler:
             if t in assigned:
                 self.fail("S002", f"`{t}` is assigned twice in kernel `{self.name}`", st.target.span,
                           labels=[Label(assigned[t], "first assigned here")])
+            self.reading.append(set())
             v = self.value(st.expr, in_reduction=None)
+            self.reads_of[t] = self.reading.pop()
             if self.nonfinite(v):
                 self.fail("S015", f"`{t}` is not finite for any input (a division by zero, or a log of 0)", st.expr.span)
             assigned[t] = st.target.span
@@ -164,12 +169,13 @@ class _KernelCompiler:
         reduction = None
         if used:
             r = used[0]
-            kind, axis, mapped, span, axis_span = self.reductions[r]
+            kind, axis, mapped, span, axis_span, written = self.reductions[r]
             if len(outs) > 1:
                 self.fail("S030", f"kernel `{self.name}` has a reduction and several outputs: a reduction kernel "
                           "has one output", span, help="give the reduction a kernel of its own")
             exprs = [exprs[0].xreplace({r: L.S})]
-            map_ins = tuple(i for i in range(len(params)) if L.a(i) in mapped.free_symbols)
+            # the inputs the reduced expression reads as written (`x - x` still runs over x's shape)
+            map_ins = tuple(i for i in range(len(params)) if L.a(i) in mapped.free_symbols or i in written)
             post_ins = {i for i in range(len(params)) if L.a(i) in exprs[0].free_symbols}
             if not map_ins:
                 self.fail("S030", f"`{kind}(...)` in kernel `{self.name}` reduces no input", span,
@@ -246,6 +252,8 @@ class _KernelCompiler:
         if isinstance(e, A.Var):
             n = e.name.id
             if n in self.values:
+                for r in self.reading:
+                    r |= self.reads_of.get(n, set())
                 return self.values[n]
             if n in ("true", "false"):
                 return sp.Integer(1 if n == "true" else 0)
@@ -316,9 +324,11 @@ class _KernelCompiler:
             if isinstance(v, bool) or not isinstance(v, int):
                 self.fail("S015", f"`axis` of `{f}` must be an integer", kw.value.span)
             axis = v
+        self.reading.append(set())
         mapped = self.num(self.value(e.args[0], f))
+        written = self.reading.pop()
         ph = sp.Symbol(f"_r{len(self.reductions)}", real=True)
-        self.reductions[ph] = (f, axis, mapped, e.span, next((kw.value.span for kw in e.kwargs), e.span))
+        self.reductions[ph] = (f, axis, mapped, e.span, next((kw.value.span for kw in e.kwargs), e.span), written)
         return ph
 
     # ---- shapes known at the definition

@@ -323,6 +323,19 @@ class _NumPy(NumPyPrinter):
                 out = f"numpy.where({self._print(cond)}, {self._print(val)}, {out})"
         return out
 
+    def _print_And(self, e):
+        return self._fold("numpy.logical_and", e.args)
+
+    def _print_Or(self, e):
+        return self._fold("numpy.logical_or", e.args)
+
+    def _fold(self, fn, args):
+        # binary calls (SymPy prints `logical_and.reduce((a, b))`, which cannot broadcast a row)
+        out = self._print(args[0])
+        for x in args[1:]:
+            out = f"{fn}({out}, {self._print(x)})"
+        return out
+
     def _print_sigmoid(self, e):
         return f"_ss.sigmoid({self._print(e.args[0])})"
 
@@ -534,7 +547,7 @@ def cuda_source(spec: ExprSpec, in_dtypes: Sequence[str], out_dtypes: Sequence[s
         return CudaSource("elementwise", name, ", ".join([f"{_CTYPES[in_dtypes[i]]} a{i}" for i in ins] + scal),
                           ", ".join(outs), _PREAMBLE, tuple(ins), operation="\n".join(body))
     ins = list(red.inputs)
-    post_ins = [i for i in range(len(spec.params)) if i not in red.inputs]
+    post_ins = post_inputs(spec)
     margs = ", ".join([f"const {ctype} _a{i}" for i in ins] + [f"const {ctype} _p{j}" for j in range(nattrs)]
                       + [f"const {ctype} _cnt"])
     reps, (mapped,) = _cse([red.map])
@@ -567,6 +580,14 @@ def cuda_source(spec: ExprSpec, in_dtypes: Sequence[str], out_dtypes: Sequence[s
                       outs[0], _PREAMBLE + "\n".join(fn) + "\n", tuple(ins), map_expr=map_expr,
                       reduce_expr=reduce_expr, post_map_expr=post_map, identity=identity,
                       reduce_type="double" if summing else ctype, post=post)
+
+
+def post_inputs(spec: ExprSpec) -> list[int]:
+    """The inputs a reduction's post expression reads (of the result's shape); an input read
+    nowhere constrains no shape."""
+    red = spec.reduction
+    used = set().union(*(sp.sympify(e).free_symbols for e in spec.exprs))
+    return [i for i in range(len(spec.params)) if i not in red.inputs and a(i) in used]
 
 
 def elementwise_twin(spec: ExprSpec) -> ExprSpec:
@@ -655,8 +676,9 @@ class ExprKernel:
                 if _like_axes(index, shapes[t]) is None:
                     raise KernelTypeError(f"{k}: {names[t]} {_fmt(shapes[t])} does not broadcast to "
                                           f"{_fmt(index)}", arg=t)
+            post = post_inputs(spec)
             for i in range(len(spec.params)):
-                if i not in red.inputs and not _broadcast_to(shapes[i], pl.out):
+                if i in post and not _broadcast_to(shapes[i], pl.out):
                     raise KernelTypeError(f"{k}: {names[i]} is {_fmt(shapes[i])}, but outside the reduction it "
                                           f"must broadcast to the result's {_fmt(pl.out)}", arg=i)
         out = []
@@ -772,7 +794,7 @@ class ExprKernel:
             out = outs[0].reshape(pl.reduced) if outs[0].shape != tuple(pl.reduced) else outs[0]
             kern(*[arrs[i] for i in src.inputs], *vals, out, axis=pl.axes)
             if post is not None:
-                post_ins = [i for i in range(len(spec.params)) if i not in spec.reduction.inputs]
+                post_ins = post_inputs(spec)
                 post(*[arrs[i] for i in post_ins], *vals, outs[0])
 
     # -- gradients
@@ -831,7 +853,13 @@ class ExprKernel:
         spec, red = self.spec, self.spec.reduction
         post = spec.exprs[0]
         gy = sp.Symbol("g0", real=True)
-        post_ins = [j for j in range(len(spec.params)) if j not in red.inputs]
+        post_ins = post_inputs(spec)
+        if i not in red.inputs and i not in post_ins:  # read nowhere: a zero gradient of its shape
+            zspec = ExprSpec(f"{spec.name}.d{spec.params[i].name}", (replace(spec.params[i], dims=None),), spec.attrs,
+                             (Output(f"d{spec.params[i].name}", spec.params[i].dtype),), (sp.Integer(0),),
+                             doc=f"gradient of {spec.name} with respect to {spec.params[i].name} (zero)",
+                             grad_of=spec.name)
+            return zspec, [g.args[i]]
         if i in red.inputs:
             if red.kind in ("max", "min"):
                 raise NotDifferentiable(f"the gradient of a {red.kind} reduction is not derived (ties have no "
@@ -862,7 +890,7 @@ class ExprKernel:
                     names.append(g.args[j])
             space = list(red.inputs)
         else:
-            space = [j for j in post_ins if a(j) in total.free_symbols or j == i]
+            space = [j for j in post_ins if a(j) in total.free_symbols and j != i] + [i]
         for j in space:
             subs[a(j)] = a(len(params))
             params.append(replace(spec.params[j], dims=None))
@@ -892,8 +920,8 @@ def _check_differentiable(e, kernel: str) -> None:
             culprit = NOT_DIFFERENTIABLE.get(inner[0], inner[0])
             break
     what = f"`{culprit}`" if culprit else "a function of its body"
-    raise NotDifferentiable(f"{kernel}: {what} has no derivative to train with (zero almost everywhere, "
-                            "undefined at its jumps)", culprit)
+    raise NotDifferentiable(f"{what} has no derivative to train with (zero almost everywhere, undefined at "
+                            "its jumps)", culprit)
 
 
 def _broadcast_to(shape, target) -> bool:
