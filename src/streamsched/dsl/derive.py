@@ -37,7 +37,7 @@ def derived_place_ok(res, target: str) -> bool:
     head, _, last = target.rpartition(".")
     if target.endswith(".backward") and target[:-9] in res.ops:
         return True
-    if head.endswith(".backward") and head[:-9] in res.ops and last.startswith("d"):
+    if head.endswith(".backward") and head[:-9] in res.ops and head not in res.ops and last.startswith("d"):
         op = res.ops[head[:-9]]
         return last[1:] in {p.name.id for p in op.params}
     return False
@@ -52,9 +52,12 @@ def derive_op_backward(res, model, c, want: set[str], flowing: set[str]) -> tupl
     wanted gradient."""
     op = c.op
     d = _Deriver(res, model, c)
+    # A state input updated in place (dropout's RNG offset) is never differentiated; an input that
+    # carries a gradient and is overwritten has two values under one name.
+    moving = {p.name.id for p in op.params if p.modifier != "state"}
     for st in op.body:
         for t in st.targets:
-            if t.id in {p.name.id for p in op.params}:
+            if t.id in moving:
                 res.fail("S012", f"op `{op.name}` has no backward, and none is derived for it: `{t.id}` is written in "
                          f"place", c.span, labels=[Label(st.span, "here")],
                          help=f"define `op {op.name}.backward(...)`")

@@ -232,8 +232,9 @@ class Resolver:
                     continue
                 op_name, _, stmt = target.rpartition(".")
                 op = self.ops.get(op_name)
-                if op is None and derived_place_ok(self, target):
-                    continue  # a statement of a backward derived from the op's kernels
+                if (op is None or stmt not in {t.id for st in op.body for t in st.targets}) and \
+                        derived_place_ok(self, target):
+                    continue  # the backward derived for an op without one, or one of its statements
                 if op is None:
                     self.fail("S006", f"`place {target}`: no op `{target}`", pl.target_span,
                               help="place an op (`place relu on comp1`) or one statement of it "
