@@ -345,6 +345,12 @@ class _NumPy(NumPyPrinter):
     def _print_erf(self, e):
         return f"_ss.erf({self._print(e.args[0])})"
 
+    def _print_NumberSymbol(self, e):
+        return _num(float(e))
+
+    _print_Exp1 = _print_NumberSymbol
+    _print_Pi = _print_NumberSymbol
+
     def _print_BooleanTrue(self, e):
         return "True"
 
@@ -385,8 +391,14 @@ class _C(C99CodePrinter):
             return f"((({self.ctype})1)/sqrt({self._print(b)}))"
         return f"pow({self._print(b)}, ({self.ctype})({self._print(x)}))"
 
+    def _print_NumberSymbol(self, e):  # pi, E: their binary64 value, not a macro
+        return f"(({self.ctype}){_num(float(e))})"
+
+    _print_Exp1 = _print_NumberSymbol
+    _print_Pi = _print_NumberSymbol
+
     def _print_Piecewise(self, e):
-        out = f"(({self.ctype})NAN)"
+        out = f"(({self.ctype})__longlong_as_double(0x7ff8000000000000LL))"  # NaN where no piece holds
         for val, cond in reversed(e.args):
             if cond == sp.true:
                 out = self._print(val)
