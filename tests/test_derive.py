@@ -420,3 +420,27 @@ def test_cast_and_other_recipes_give_the_stdlib_formulas():
     assert RECIPES["dropout"](g) == [KCall("dropout_grad", ("dy", "mask"), (("p", 0.25),)), None]
     assert KERNELS["batchnorm_train"].grad is None and KERNELS["sgd_step"].grad is None
     assert KERNELS["matmul"].grad is RECIPES["matmul"]
+
+
+def test_calling_a_kernel_from_a_model_line_suggests_the_op_that_fixes_it(tmp_path):
+    text = STREAMS + """
+kernel leaky(x : T[...], slope = 0.01) -> y : T[...] { y = where(x > 0, x, slope * x) }
+model m(batch = 8) {
+    input x : f64[batch, 5]
+    input y : i32[batch]
+    h = linear(x, 4)
+    a = leaky(h)
+    logits = linear(a, 3)
+    loss = softmax_cross_entropy(logits, y)
+}
+""" + TAIL
+    from streamsched.pipeline import check_file
+
+    path = tmp_path / "k.sched"
+    path.write_text(text)
+    (d,) = check_file(str(path))
+    assert d.code == "S006"
+    fix = re.search(r"`(op leaky\(.*\})`", d.help).group(1)
+    c = _compile(tmp_path, text.replace("model m", fix + "\nmodel m"), "fixed.sched")
+    assert "leaky.dx" in {t.kernel for t in c.program.graph("pass").templates}
+    _directional_check(c, *_batch((5,)))

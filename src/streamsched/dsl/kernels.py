@@ -189,9 +189,21 @@ class _KernelCompiler:
             self.check_reduction_shapes(params, outs, reduction, axis_span)
         else:
             self.check_elementwise_shapes(params, outs)
-        doc = f"kernel `{self.name}` of {kd.span.file}:{kd.span.line}" if kd.span else f"kernel `{self.name}`"
+        doc = self.formula(params, attrs, outs, exprs, reduction)
+        if kd.span is not None:
+            doc += f" (the `kernel` form of {kd.span.file}:{kd.span.line})"
         spec = L.ExprSpec(self.name, tuple(params), tuple(attrs), tuple(outs), tuple(exprs), reduction, doc=doc)
         return spec, self.src
+
+    def formula(self, params, attrs, outs, exprs, reduction) -> str:
+        """The doc row's formula: each output's expression in the kernel's own names."""
+        L, sp = self.L, self.sp
+        names = {L.a(i): sp.Symbol(prm.name) for i, prm in enumerate(params)}
+        names.update({L.p(j): sp.Symbol(n) for j, (n, _) in enumerate(attrs)})
+        if reduction is not None:
+            axis = "" if reduction.axis is None else f", axis={reduction.axis}"
+            names[L.S] = sp.Symbol(f"{reduction.kind}({reduction.map.xreplace(names)}{axis})")
+        return "; ".join(f"{o.name} = {e.xreplace(names)}" for o, e in zip(outs, exprs))
 
     def res_const(self, e: A.Expr):
         from streamsched.dsl.resolve import _Abort
@@ -366,3 +378,30 @@ class _KernelCompiler:
             self.fail("S003", f"output `{outs[0].name}` of kernel `{self.name}` is {r}-D, but `{red.kind}` over "
                       + (f"axis {red.axis}" if red.axis is not None else "every axis") + f" of a {rank}-D value is "
                       f"{want}-D", od.type.span)
+
+
+def kernel_as_op_help(res, name: str) -> str:
+    """The help for a model or graph line that calls a kernel of this program (not an op): the
+    op that launches it, written out ("" when `name` is no such kernel)."""
+    from streamsched.stdlib.kernels import KERNELS
+
+    k = res.kernels.get(name)
+    if k is None or (name in KERNELS and name not in res.kernel_defs):
+        return ""
+    compute = [s for s, (role, _) in res.streams.items() if role == "compute"] or list(res.streams)
+    if not compute:
+        return ""
+    ins = ", ".join(k.inputs)
+    outs = k.outputs[0] if len(k.outputs) == 1 else "(" + ", ".join(k.outputs) + ")"
+    params = ", ".join(list(k.inputs) + [f"{a} = {_literal(v)}" for a, v in k.attrs.items()])
+    args = ", ".join(list(k.inputs) + [f"{a} = {a}" for a in k.attrs])
+    return (f"`{name}` is a kernel, and a model line calls an op: define one that launches it, "
+            f"`op {name}({params}) -> {outs} on {compute[0]} {{ {outs} = {name}({args}) }}`")
+
+
+def _literal(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v == int(v) and abs(v) < 1e15:
+        return f"{v:.1f}"
+    return repr(v)

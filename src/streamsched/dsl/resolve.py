@@ -15,7 +15,7 @@ from typing import Any
 from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedError
 from streamsched.dsl import ast as A
 from streamsched.dsl.derive import derive_op_backward, derived_place_ok
-from streamsched.dsl.kernels import compile_kernel_defs
+from streamsched.dsl.kernels import compile_kernel_defs, kernel_as_op_help
 from streamsched.dsl.load import STDLIB_PATH, load_program_files, stdlib_file
 from streamsched.dsl.program import SLOT, AfterRef, GraphInfo, Launch, ModelInfo, Program, TaskTemplate
 from streamsched.interp.fixes import drop_ref
@@ -729,7 +729,7 @@ class Resolver:
         name = st.call.func
         if name.id not in self.ops:
             self.fail("S006", f"unknown op `{name.id}`", name.span,
-                      help="ops come from stdlib/ops.sched or an `op` block of this file")
+                      help=kernel_as_op_help(self, name.id) or "ops come from stdlib/ops.sched or an `op` block of this file")
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
         if grads:
@@ -1247,7 +1247,8 @@ class Resolver:
     def graph_op_call(self, g: A.GraphDef, st: A.CallStmt, out, op_id: int, model_name: str) -> int:
         name = st.call.func
         if name.id not in self.ops:
-            self.fail("S006", f"unknown op `{name.id}`", name.span, help="ops: " + ", ".join(sorted(self.ops)))
+            self.fail("S006", f"unknown op `{name.id}`", name.span,
+                      help=kernel_as_op_help(self, name.id) or "ops: " + ", ".join(sorted(self.ops)))
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
         args = list(st.call.args)
