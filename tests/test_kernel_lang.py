@@ -7,6 +7,7 @@ and run against the NumPy twin; the GPU comparison is in tests/test_kernel_lang_
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kernel_lang_helpers import StreamschedError, compile_kernels, gradients, run
+from streamsched.stdlib.kernel_lang import expr_kernel
 from streamsched.stdlib.kernel_record import KernelTypeError
 
 mpmath.mp.dps = 40
@@ -455,39 +457,57 @@ def test_reduction_kernels_agree_with_mpmath_and_their_gradients_with_fd(t, kind
 
 
 # ---- the CUDA twin's text, on the CPU ------------------------------------------------------------
+def test_generated_code_holds_no_name_the_user_wrote():
+    """Parameters named like the generated code's own names (numpy, s, cnt, a0) or Python and C
+    keywords compute what they say: the printed code only knows positional symbols."""
+    K = compile_kernels("kernel f(numpy : T[...], s : T[...], cnt : T[...], a0 : T[...], lambda = 2.0) -> "
+                        "def : T[...] { def = numpy * s + cnt - a0 * lambda }")
+    rng = np.random.default_rng(4)
+    ins = [rng.normal(size=5) for _ in range(4)]
+    np.testing.assert_allclose(run(K["f"], ins)[0], ins[0] * ins[1] + ins[2] - ins[3] * 2.0, rtol=1e-15)
+    from streamsched.stdlib.kernel_lang import numpy_source
+
+    ek = expr_kernel(K["f"])
+    allowed = re.compile(r"(a|p|t)\d+|_(a|p|t)\d+|y\d+|s|_s|cnt|_cnt|def|return|numpy|_ss|_out|_map|float|double|"
+                         r"const|float32|float64|sigmoid|ss_sigmoid|exp|log|where|sqrt")
+    for text in (numpy_source(ek.spec), ek.cuda_source(["f32"] * 4, ["f32"]).operation):
+        names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+        assert all(allowed.fullmatch(n) for n in names), sorted(n for n in names if not allowed.fullmatch(n))
+        assert "lambda" not in names and "numpy_" not in text
+
+
 def test_cuda_source_of_an_elementwise_kernel(K):
-    src = K["bias_swish"].cuda.__self__.cuda_source(["f32", "f32"], ["f32"])
+    src = expr_kernel(K["bias_swish"]).cuda_source(["f32", "f32"], ["f32"])
     assert src.kind == "elementwise"
     assert src.in_params == "float32 a0, float32 a1, float64 p0, float64 cnt".replace("float64 p0, ", "")
     assert src.out_params == "float32 y0"
     assert "const float _a0 = (float)a0;" in src.operation and "y0 = (float)(" in src.operation
     assert "ss_sigmoid(" in src.operation and "__device__" in src.preamble
     assert "double" not in src.operation  # float arithmetic in a float kernel
-    assert "x" not in src.operation.replace("expf", "").split("ss_sigmoid")[0].replace("exp", "")  # no user names
-    s64 = K["bias_swish"].cuda.__self__.cuda_source(["f64", "f64"], ["f64"])
+    s64 = expr_kernel(K["bias_swish"]).cuda_source(["f64", "f64"], ["f64"])
     assert "const double _a0 = (double)a0;" in s64.operation and s64.in_params.startswith("float64 a0")
-    s16 = K["bias_swish"].cuda.__self__.cuda_source(["f16", "f16"], ["f16"])
+    s16 = expr_kernel(K["bias_swish"]).cuda_source(["f16", "f16"], ["f16"])
     assert s16.in_params.startswith("float16 a0") and "y0 = (float16)(" in s16.operation
     assert "const float _a0" in s16.operation
-    lk = K["leaky"].cuda.__self__.cuda_source(["f32"], ["f32"])
+    lk = expr_kernel(K["leaky"]).cuda_source(["f32"], ["f32"])
     assert lk.in_params == "float32 a0, float64 p0, float64 cnt" and "const float _p0 = (float)p0;" in lk.operation
     assert "?" in lk.operation  # where -> ?:
     assert src.name.startswith("ss_bias_swish_") and src.name.isidentifier()
 
 
 def test_cuda_source_of_a_reduction(K):
-    src = K["rms"].cuda.__self__.cuda_source(["f32"], ["f32"])
+    src = expr_kernel(K["rms"]).cuda_source(["f32"], ["f32"])
     assert src.kind == "reduction" and src.reduce_expr == "a + b" and src.identity == "0"
     assert src.reduce_type == "double" and src.inputs == (0,)
     assert src.in_params == "float32 a0, float64 p0, float64 cnt" and src.out_params == "float32 y0"
     assert src.map_expr.startswith(src.name + "_map((float)a0")
     assert "(a / cnt)" in src.post_map_expr and src.post_map_expr.startswith("y0 = (float)(")
     assert "sqrt(" in src.preamble and src.post is None
-    sm = K["scaled_mean"].cuda.__self__.cuda_source(["f32", "f32"], ["f32"])
+    sm = expr_kernel(K["scaled_mean"]).cuda_source(["f32", "f32"], ["f32"])
     assert sm.inputs == (0,) and sm.post is not None  # the post expression reads s: a second, in-place pass
     post_in, post_out, post_op = sm.post
     assert post_in == "float32 a1, float64 cnt" and post_out == "float32 y0" and "const float _s = (float)y0;" in post_op
-    mx = compile_kernels("kernel m(x : T[n, k]) -> y : T[n] { y = max(x, axis = 1) }")["m"].cuda.__self__
+    mx = expr_kernel(compile_kernels("kernel m(x : T[n, k]) -> y : T[n] { y = max(x, axis = 1) }")["m"])
     ms = mx.cuda_source(["f64"], ["f64"])
     assert ms.identity == "-ss_inf()" and "isnan(a)" in ms.reduce_expr and ms.reduce_type == "double"
 
@@ -522,7 +542,7 @@ def test_cuda_device_code_compiles_and_matches_the_numpy_twin(K, name, tmp_path)
     compiler with CuPy's per-element names bound to array elements, on f64 data."""
     rec = K[name]
     nin = len(rec.inputs)
-    src = rec.cuda.__self__.cuda_source(["f64"] * nin, ["f64"] * len(rec.outputs))
+    src = expr_kernel(rec).cuda_source(["f64"] * nin, ["f64"] * len(rec.outputs))
     nattr = len(rec.attrs)
     params = [f"const double* a{i}_" for i in range(nin)] + [f"double p{j}" for j in range(nattr)]
     params += ["double cnt"] + [f"double* y{k}_" for k in range(len(rec.outputs))]
@@ -547,7 +567,7 @@ def test_cuda_device_code_compiles_and_matches_the_numpy_twin(K, name, tmp_path)
 
 
 def test_cuda_reduction_device_functions_compile(K, tmp_path):
-    src = K["rms"].cuda.__self__.cuda_source(["f64"], ["f64"])
+    src = expr_kernel(K["rms"]).cuda_source(["f64"], ["f64"])
     code = _HOST + src.preamble + f"""
 extern "C" double run(const double* x, int n, double eps) {{
     double a = 0; for (int i = 0; i < n; ++i) a += {src.map_expr.replace("(double)a0", "(double)x[i]").replace("(double)p0", "(double)eps").replace("(double)cnt", "(double)n")};

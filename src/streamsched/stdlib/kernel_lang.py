@@ -953,6 +953,13 @@ def _expand_cp(cp, x, pl: Plan):
     return cp.expand_dims(x, pl.eaxis) if pl.eaxis is not None else x
 
 
+def expr_kernel(record: Kernel) -> ExprKernel | None:
+    """The ExprKernel a record was compiled from (None for a stdlib or Python kernel): its
+    `spec`, `cuda_source(in_dtypes, out_dtypes)` and `numpy_source(spec)` show what runs."""
+    owner = getattr(record.cpu, "__self__", None)
+    return owner if isinstance(owner, ExprKernel) else None
+
+
 @lru_cache(maxsize=1024)
 def compiled(spec: ExprSpec) -> ExprKernel:
     """The ExprKernel of `spec`, built once (SymPy's printing is the slow part)."""
