@@ -444,3 +444,22 @@ model m(batch = 8) {
     c = _compile(tmp_path, text.replace("model m", fix + "\nmodel m"), "fixed.sched")
     assert "leaky.dx" in {t.kernel for t in c.program.graph("pass").templates}
     _directional_check(c, *_batch((5,)))
+
+
+def test_a_broken_kernel_is_reported_once_not_at_every_use(tmp_path):
+    from streamsched.pipeline import check_file
+
+    text = STREAMS + """
+kernel leaky(x : T[...], slope = 0.01) -> y : T[...] { y = where(x > 0, x, slope * q) }
+op leaky(x) -> y on comp3 { y = leaky(x) }
+model m(batch = 8) {
+    input x : f32[batch, 4]
+    input y : i32[batch]
+    h = linear(x, 3)
+    a = leaky(h)
+    loss = softmax_cross_entropy(a, y)
+}
+""" + TAIL
+    path = tmp_path / "b.sched"
+    path.write_text(text)
+    assert [(d.code, d.span.line) for d in check_file(str(path))] == [("S007", 3)]

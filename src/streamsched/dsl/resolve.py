@@ -491,9 +491,11 @@ class Resolver:
         if not isinstance(e, A.Call):
             e = self.binop_call(e)
         kname = e.func.id
+        if kname not in kernels and kname in self.kernel_defs:
+            raise _Abort()  # a `kernel` form whose mistakes were reported
         if kname not in kernels:
             self.fail("S014", f"unknown kernel `{kname}`", e.func.span,
-                      help="kernels are the stdlib primitives listed in docs/kernels.md and the file's `kernel` forms")
+                      help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and those of `--kernels` modules")
         k = kernels[kname]
         if len(st.targets) != len(k.outputs):
             self.fail("S005", f"kernel `{kname}` produces {len(k.outputs)} value(s), {len(st.targets)} target(s) given",
@@ -548,8 +550,12 @@ class Resolver:
             return env[a.name.id]
         call = a if isinstance(a, A.Call) else self.binop_call(a)
         kernels = self.kernels
+        if call.func.id not in kernels and call.func.id in self.kernel_defs:
+            raise _Abort()  # a `kernel` form whose mistakes were reported
         if call.func.id not in kernels:
-            self.fail("S014", f"unknown kernel `{call.func.id}`", call.func.span)
+            self.fail("S014", f"unknown kernel `{call.func.id}`", call.func.span,
+                      help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and "
+                           "those of `--kernels` modules")
         k = kernels[call.func.id]
         if len(k.outputs) != 1:
             self.fail("S015", f"kernel `{k.name}` produces several values and cannot be nested", call.span)
@@ -1699,9 +1705,9 @@ def _find_var(e: A.Expr, n: str) -> Span | None:
 def _check_kernel_names(res: Resolver, e: A.Expr) -> None:
     kernels = res.kernels
     if isinstance(e, A.Call):
-        if e.func.id not in kernels:
+        if e.func.id not in kernels and e.func.id not in res.kernel_defs:
             res.err("S014", f"unknown kernel `{e.func.id}`", e.func.span,
-                    help="kernels are the stdlib primitives listed in docs/kernels.md and the file's `kernel` forms")
+                    help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and those of `--kernels` modules")
         for a in e.args:
             _check_kernel_names(res, a)
     elif isinstance(e, A.BinOp):
