@@ -195,7 +195,7 @@ class CpuRunner:
         self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self._loss in t.outs)
         self._losses: dict[int, tuple[int, np.ndarray]] = {}  # batch -> (loss writes seen, latest value)
         self._last: tuple[int, int] = (-1, 0)  # the latest batch and how many loss writes it issued
-        self.ex = CpuExecutor(compiled.schedule, self.arrays, KERNELS, interleave=interleave, seed=seed,
+        self.ex = CpuExecutor(compiled.schedule, self.arrays, compiled.program.kernels, interleave=interleave, seed=seed,
                               detect_races=detect_races, on_task_done=self._task_done)
 
     def _task_done(self, task: Task, batch: int) -> None:
@@ -363,7 +363,7 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
             arrs[yin][...] = 0
             arrs[yin][:k] = yb
         for t in fwd:
-            kern = KERNELS[t.kernel]
+            kern = program.kernels[t.kernel]
             kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
         logits = arrs[m.logits]
         correct += int((logits[:k].argmax(axis=1) == yb).sum())

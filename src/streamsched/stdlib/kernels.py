@@ -782,3 +782,9 @@ NOT_IN_PLACE = ("matmul", "sum", "mean", "conv2d", "conv2d_grad_x", "conv2d_grad
                 "batchnorm_train", "batchnorm_grad", "softmax_xent", "softmax_xent_grad")
 for _name in NOT_IN_PLACE:
     KERNELS[_name] = _dc_replace(KERNELS[_name], inplace=False)
+
+# Gradient recipes (Kernel.grad), kept beside the hand-written backward ops they mirror: an op
+# without `NAME.backward` built on these kernels gets its backward derived.
+from streamsched.stdlib.grad_recipes import attach as _attach_recipes  # noqa: E402
+
+_attach_recipes(KERNELS)

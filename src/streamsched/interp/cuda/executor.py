@@ -222,7 +222,9 @@ class CudaExecutor:
             return rec, {}, False, True
         fn = None
         path = getattr(rec, "cuda", "") or f"streamsched.stdlib.cuda_kernels:{kernel}"
-        if not rec.host:
+        if callable(path):  # a generated kernel's twin (stdlib.kernel_lang) or a --kernels module's function
+            fn = path
+        elif not rec.host:
             mod, _, attr = path.partition(":")
             fn = getattr(importlib.import_module(mod), attr)
         return fn, dict(rec.attrs), bool(rec.host), bool(rec.capturable)

@@ -17,9 +17,8 @@ class CudaRunner:
     name = "cuda"
 
     def __init__(self, compiled):
-        from streamsched.stdlib.kernels import KERNELS
-
-        self.ex = CudaExecutor(compiled.schedule, compiled.plan, KERNELS, capture=compiled.schedule.capture)
+        self.ex = CudaExecutor(compiled.schedule, compiled.plan, compiled.program.kernels,
+                               capture=compiled.schedule.capture)
         self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
 
     def _wrap(self, fn, *args):
