@@ -29,7 +29,8 @@ def K():
 def _on_gpu(cp, ctx, rec, ins, attrs, inplace=None):
     """rec's CUDA twin on copies of `ins` (outputs preallocated as the executor does; `inplace`:
     output index -> input index sharing its array)."""
-    g_ins = [cp.asarray(np.ascontiguousarray(a)) for a in ins]
+    # (np.ascontiguousarray makes a 0-d value 1-d: keep each input's own shape, as the arena does)
+    g_ins = [cp.asarray(np.ascontiguousarray(a).reshape(np.shape(a))) for a in ins]
     outs = []
     ref = run(rec, ins, attrs)
     for k, r in enumerate(ref):
