@@ -273,7 +273,7 @@ def test_an_interrupt_before_any_checkpoint_says_so(tmp_path, capsys, monkeypatc
     sched = project(tmp_path)
     import streamsched.interp.train as train_mod
 
-    def stop(self, k, loss):
+    def stop(self, k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_mod._Run, "after_step", stop)

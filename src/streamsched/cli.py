@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 
 from streamsched import __version__
@@ -209,6 +210,7 @@ def cmd_graph(args) -> int:
 def cmd_run(args) -> int:
     from streamsched.interp.train import TaskFailedError, TrainOptions, train
 
+    t_command = time.perf_counter()
     sources = SourceCache()
     try:
         c = _compile(args, sources, args.file)
@@ -222,6 +224,7 @@ def cmd_run(args) -> int:
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
                             argv=tuple(args.argv))
+        t_train = time.perf_counter()
         res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
     except TaskFailedError as e:
         t = e.task
@@ -243,7 +246,10 @@ def cmd_run(args) -> int:
         print(msg)
         return 1 if res.races else 0
     us = 1e6 * res.wall_s / max(res.steps, 1)
-    msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included); "
+    first = (t_train - t_command) + res.first_step_s  # parse, check, data, backend, capture, compile
+    msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included; "
+           f"training {res.steady_us_per_step:.0f} us/step, evaluation {res.eval_s:.2f} s; first step "
+           f"{first:.2f} s after the command); "
            f"epoch {last.get('epoch')}: train loss {last.get('train_loss', float('nan')):.4f}")
     if acc is not None:
         msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
