@@ -132,11 +132,10 @@ def torch_loop(name: str, variant: str, epochs: int | None) -> dict:
         x_test = torch.tensor(ds.x_test, device=dev, dtype=torch.float32)
         wd = 0.0
     y_all = torch.tensor(ds.y_train, device=dev, dtype=torch.long)
+    # The learning rate is a device tensor (it changes every step, and a captured step reads it
+    # when it runs); torch's SGD takes a tensor rate in its fused implementation.
     lr_t = torch.tensor(sched(0), device=dev, dtype=torch.float32)
-    try:
-        opt = torch.optim.SGD(model.parameters(), lr=lr_t, momentum=0.9, weight_decay=wd, foreach=True)
-    except Exception:  # an older torch without tensor learning rates
-        opt = torch.optim.SGD(model.parameters(), lr=float(sched(0)), momentum=0.9, weight_decay=wd, foreach=True)
+    opt = torch.optim.SGD(model.parameters(), lr=lr_t, momentum=0.9, weight_decay=wd, fused=True)
     idx = torch.zeros(m.batch, dtype=torch.long, device=dev)
     loss_sum = torch.zeros((), device=dev)
 

@@ -55,12 +55,21 @@ def test_the_accumulator_is_a_node_of_the_captured_step(gpu):
     from streamsched.pipeline import compile_file
 
     c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"), capture="step")
-    ex = CudaExecutor(c.schedule, c.plan, capture="step", accumulate=c.program.model.loss)
-    try:
-        kinds = [graph_nodes_edges(cu.graph)[0] for cu in ex.graphs.values()]
-        assert all(sum(1 for k in ks if "KERNEL" in k.upper()) > 0 for ks in kinds)
-        total, steps, bad, _ = ex.accumulator.take(ex.ctx.streams[ex.ctx.names[0]])
-        assert (total, steps, bad) == (0.0, 0, -1)
-    finally:
-        ex.close()
-    assert np.isfinite(1.0)
+    loss = c.program.model.loss
+    kernels = {}
+    for acc in (None, loss):
+        ex = CudaExecutor(c.schedule, c.plan, capture="step", accumulate=acc)
+        try:
+            kernels[acc] = {k: sum(1 for t in graph_nodes_edges(cu.graph)[0] if t == "Kernel")
+                            for k, cu in ex.graphs.items()}
+            with_loss = {k for k, cu in ex.graphs.items()
+                         if any(loss in c.schedule.tasks[t].outs for t in cu.tasks)}
+            if acc is not None:
+                total, steps, bad, _ = ex.accumulator.take(ex.ctx.streams[ex.ctx.names[0]])
+                assert (total, steps, bad) == (0.0, 0, -1)
+        finally:
+            ex.close()
+    assert with_loss
+    for k, n in kernels[None].items():  # one more kernel node exactly where the loss is computed
+        assert kernels[loss][k] == n + (1 if k in with_loss else 0)
+    assert np.isfinite(float(len(with_loss)))

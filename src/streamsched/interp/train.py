@@ -678,6 +678,8 @@ class _Run:
         self.ds, self.feat = ds, feat
         self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"))
         self.spe = self.batches.steps_per_epoch
+        dt = {n: d for n, _, d in m.inputs}
+        self._x_dtype, self._y_dtype = numpy_dtype(dt.get(feat, "f32")), numpy_dtype(dt.get(lab, "i32"))
 
     def lr_request(self) -> tuple[str, tuple, dict, Any]:
         if self.opts.lr is not None:
@@ -831,20 +833,42 @@ class _Run:
         at = self.cur if step is None else step
         if task.kernel == "stage":
             xb, yb = self.batch_at(at + task.attr("ahead", 0))
-            arrays[task.outs[0]][...] = xb if task.attr("field") == self.feat else yb
+            np.copyto(arrays[task.outs[0]], xb if task.attr("field") == self.feat else yb, casting="unsafe")
         elif task.kernel == "set_scalar":
             k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
             arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
 
     def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """The batch of step j of this run (a prefetch past the end repeats the last batch)."""
+        """The batch of step j of this run (a prefetch past the end repeats the last batch): views
+        of its epoch's samples, gathered in batch order ahead of time (`_epoch_arrays`)."""
         j = min(j, self.local_total - 1) if j >= self.local_total else j
         e, i = divmod(j, self.spe)
-        e += self.start_epoch
-        if getattr(self, "_order_epoch", None) != e:
-            self._order, self._order_epoch = self.batches.order(e), e
-        sel = self._order[i * self.batches.batch:(i + 1) * self.batches.batch]
-        return self.batches.x[sel], self.batches.y[sel]
+        xs, ys = self._epoch_arrays(e + self.start_epoch)
+        b = self.batches.batch
+        return xs[i * b:(i + 1) * b], ys[i * b:(i + 1) * b]
+
+    def _gather(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch e's samples in its batch order, cast to the model's input dtypes once."""
+        order = self.batches.order(e)
+        return self.batches.x.take(order, axis=0).astype(self._x_dtype, copy=False), \
+            self.batches.y.take(order, axis=0).astype(self._y_dtype, copy=False)
+
+    def _epoch_arrays(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch e's gathered samples.  Host staging runs ahead (issue 13): while epoch e trains,
+        one background thread gathers epoch e + 1, so a step's host work is a copy from a view into
+        its pinned slot (the host waits only on the copy that last read that slot)."""
+        cache = self.__dict__.setdefault("_epochs", {})
+        if e not in cache:
+            fut = self.__dict__.get("_ahead")
+            cache[e] = fut.result() if fut is not None and self._ahead_epoch == e else self._gather(e)
+            for old in [k for k in cache if k < e]:
+                del cache[old]
+            if e + 1 < self.start_epoch + max(self.epochs - self.start_epoch, 1):
+                from concurrent.futures import ThreadPoolExecutor
+
+                pool = self.__dict__.setdefault("_pool", ThreadPoolExecutor(1, thread_name_prefix="staging"))
+                self._ahead, self._ahead_epoch = pool.submit(self._gather, e + 1), e + 1
+        return cache[e]
 
     def after_step(self, k: int) -> None:
         """Bookkeeping after issuing step k of this run (from 0): count it, move the progress
@@ -1023,6 +1047,9 @@ class _Run:
     def close(self, report: bool = False) -> None:
         """Close the bar and the log; report: a failure to close the log (a full disk shows at the
         last flush) is X021, else (another error already on its way) it is dropped."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:  # the staging thread (it may be gathering an epoch nobody will run)
+            pool.shutdown(wait=False, cancel_futures=True)
         if self.bar is not None:
             self.bar.close()
             self.bar = None

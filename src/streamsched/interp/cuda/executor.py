@@ -154,6 +154,7 @@ class CudaExecutor:
         self.graphs: dict[tuple, CapturedUnit] = {}
         self.unit_graph: dict[int, CapturedUnit] = {}
         self._programs: dict[tuple | None, Program] = {}
+        self._by_tuple: dict[int, tuple[tuple, Program]] = {}  # id(instrs) -> (instrs, its program)
         if self.capture != "none":
             self.capture_units()
 
@@ -315,11 +316,18 @@ class CudaExecutor:
         else:
             # Compiled programs are cached by the identity of the Instr objects, so a training
             # loop that passes plan_segment(plan, k) (fresh tuples of the plan's own Instrs)
-            # compiles each distinct segment once.
-            key = None if instrs is None else tuple(map(id, instrs))
-            prog = self._programs.get(key)
-            if prog is None:
-                prog = self._programs[key] = self.compile(instrs)
+            # compiles each distinct segment once; the very tuple seen before (Segments.for_step
+            # hands out the same one every period) is found without looking at its Instrs.
+            hit = self._by_tuple.get(id(instrs)) if instrs is not None else None
+            if hit is not None and hit[0] is instrs:
+                prog = hit[1]
+            else:
+                key = None if instrs is None else tuple(map(id, instrs))
+                prog = self._programs.get(key)
+                if prog is None:
+                    prog = self._programs[key] = self.compile(instrs)
+                if isinstance(instrs, tuple):
+                    self._by_tuple[id(instrs)] = (instrs, prog)
         cp = self.cp
         host_arrays = self.host_arrays
         with cp.cuda.using_allocator(self._pool.malloc):
