@@ -120,3 +120,34 @@ def test_the_doc_command_rewrites_only_between_the_markers(tmp_path, capsys):
     assert plain.read_text(encoding="utf-8") == "no markers here\n"  # never touched
     assert _doc.main(["--doc", str(tmp_path / "missing.md")]) == 2
     assert _doc.main([]) == 2
+
+
+def test_the_docs_example_of_adding_a_kernel_is_a_working_record():
+    """docs/kernels.md, "Adding a stdlib kernel": its softplus records, run in elementwise.py's
+    namespace, register, match their rows, compute softplus, and its gradient kernel agrees with
+    central differences; the CUDA names it uses exist in that module."""
+    import numpy as np
+
+    from streamsched.stdlib.kernels import elementwise
+    from streamsched.stdlib.kernels._base import Family
+
+    text = open(os.path.join(os.path.dirname(SRC), "docs", "kernels.md"), encoding="utf-8").read()
+    snippet = text[text.index("def _softplus_cpu"):text.index("# ... and in the module's CUDA part")]
+    fam = Family(elementwise.__name__, "softplus")
+    exec(snippet, {**vars(elementwise), "_register": fam.register})
+    assert list(fam.kernels) == ["softplus", "softplus_grad"]
+    for rec in fam.kernels.values():
+        _doc.check_row(rec)
+    x = np.linspace(-30.0, 30.0, 61)
+
+    def softplus(v):
+        y = np.zeros_like(v)
+        fam.kernels["softplus"].cpu([v], [y], {})
+        return y
+
+    np.testing.assert_allclose(softplus(x), np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x))), rtol=1e-12)
+    dx = np.zeros_like(x)
+    fam.kernels["softplus_grad"].cpu([np.ones_like(x), x], [dx], {})
+    np.testing.assert_allclose(dx, (softplus(x + 1e-6) - softplus(x - 1e-6)) / 2e-6, atol=1e-6)
+    for name in ("_unary_cuda", "_binary_cuda", "_PREAMBLE", "_kernels"):
+        assert hasattr(elementwise, name), name

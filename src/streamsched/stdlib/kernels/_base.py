@@ -129,6 +129,12 @@ def _type_attrs(k: str, attrs: dict) -> TensorType:
     return shape, dt
 
 
+def _loss_dtype(dt: str) -> str:
+    """The loss of `dt` logits: at least f32, so f16 logits under mixed precision give an f32
+    loss (and an f32 gradient seed, the loss scale)."""
+    return "f32" if dt in ("f16", "bf16") else dt
+
+
 def _int(k: str, at: dict, key: str, lo: int, why: str = "") -> int:
     """An integer attribute >= lo; None (no default) is 'must be given'."""
     x = at[key]
@@ -265,9 +271,10 @@ class Family:
                  host: bool = False, capturable: bool = True, inplace: bool = True) -> None:
         """Add the record of kernel `name` (inputs, outputs: parameter names, "a b"): the type rule
         infer(name, input names, in_types, attrs), the NumPy twin cpu(ins, outs, attrs) (None for
-        host work), attribute defaults (None: must be given), doc (the formula in full), row (its
-        line in docs/kernels.md), grad (the gradient recipe; None: an op on it needs a written
-        backward).  Its CUDA twin is `<this module>:<name>_cuda`.  Wraps infer with the arity and
+        host work), attrs: the attribute defaults (a None default is the rule's to read: "none"
+        for sum's axis, "must be given" for conv2d_grad_x's in_h), doc (the formula in full), row
+        (its line in docs/kernels.md), grad (the gradient recipe; None: an op on it needs a
+        written backward).  Its CUDA twin is `<this module>:<name>_cuda`.  Wraps infer with the arity and
         unknown-attribute checks and fills in defaults for infer and cpu.  ValueError for a name
         registered twice."""
         if name in self.kernels:

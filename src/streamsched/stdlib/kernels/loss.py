@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from streamsched.stdlib.kernel_record import KCall, KernelTypeError
-from streamsched.stdlib.kernels._base import INTS, DocRow, Family, GradArgs, _acc, _floats, _fmt, _scalar, _write
+from streamsched.stdlib.kernels._base import (INTS, DocRow, Family, GradArgs, _acc, _floats, _fmt, _loss_dtype,
+                                              _scalar, _write)
 from streamsched.stdlib.kernels._cuda import _CTYPES, _cupy_stream, _kernels, _module, _pow2_at_least, _stream
 
 FAMILY = Family(__name__, "Loss")
@@ -29,12 +30,6 @@ def _xent_check(k, names, t, il: int, ilab: int) -> str:
         raise KernelTypeError(f"{k}: {names[ilab]} must be an integer dtype (i32), "
                               f"got {t[ilab][1]}", arg=ilab, code="S004")
     return dt
-
-
-def _loss_dtype(dt: str) -> str:
-    """The loss of `dt` logits: at least f32, so f16 logits under mixed precision give an f32
-    loss (and an f32 gradient seed, the loss scale)."""
-    return "f32" if dt in ("f16", "bf16") else dt
 
 
 def _xent_infer(k, names, t, at):
