@@ -1,4 +1,4 @@
-"""The CNN-step kernels (stdlib/kernels/: conv, pooling, normalization, dropout, optimizers, mixed_precision) against trusted references: convolution against a
+"""The CNN-step kernels (stdlib.kernels.CNN_KERNELS) against trusted references: convolution against a
 naive 7-loop sum, every backward kernel against central finite differences in float64, batch
 norm's running statistics and the optimizers and loss scaler against hand-written PyTorch/paper
 formulas, Philox against Random123's known answers, in-place and arena aliasing, type rules."""
