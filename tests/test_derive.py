@@ -410,7 +410,7 @@ model m(batch = 8) {
 
 
 def test_cast_and_other_recipes_give_the_stdlib_formulas():
-    from streamsched.stdlib.grad_recipes import RECIPES
+    from streamsched.stdlib.kernels import RECIPES
     from streamsched.stdlib.kernel_record import GradArgs, KCall
 
     g = GradArgs("cast", ("x",), ("y",), ("dy",), (True,), {"dtype": "f16"}, {"x": ((4,), "f32"), "y": ((4,), "f16")})

@@ -368,8 +368,8 @@ train {
 
 
 def test_same_shaped_dropout_sites_draw_different_masks(tmp_path):
-    from streamsched.stdlib.kernels_cnn import site_seed
-    from streamsched.stdlib.kernels_cnn import dropout_bits
+    from streamsched.stdlib.kernels.dropout import site_seed
+    from streamsched.stdlib.kernels.dropout import dropout_bits
 
     p = tmp_path / "drop.sched"
     p.write_text(DROP)

@@ -795,7 +795,7 @@ class Resolver:
         if "seed" in attr_vals and "seed" not in given:
             # An RNG key the line does not give is derived from the site, so that two same-shaped
             # dropout sites draw different masks (docs/language.md, "Random sites").
-            from streamsched.stdlib.kernels_cnn import site_seed
+            from streamsched.stdlib.kernels.dropout import site_seed
 
             attr_vals["seed"] = site_seed(m.name.id, target0)
         for p in prm + states:

@@ -200,12 +200,12 @@ class ExprKernel:
         return cuda_source(self.spec, in_dtypes, out_dtypes)
 
     def cuda(self, ctx, stream, ins, outs, attrs=None) -> None:
-        """The CUDA twin (cuda_kernels' convention `fn(ctx, stream, ins, outs, attrs)`): one CuPy
+        """The CUDA twin (the stdlib twins' convention `fn(ctx, stream, ins, outs, attrs)`): one CuPy
         ElementwiseKernel or ReductionKernel launch on `stream` (a reduction whose post expression
         reads arrays adds one in-place elementwise launch); outputs given, so nothing allocates."""
         import cupy as cp
 
-        from streamsched.stdlib.cuda_kernels import _stream
+        from streamsched.stdlib.kernels._cuda import _stream
 
         spec = self.spec
         pl = plan(spec, [tuple(x.shape) for x in ins])

@@ -1,6 +1,6 @@
 """The record every kernel is (stdlib, `.sched` `kernel` forms, `--kernels` modules): signature,
-type rule, CPU kernel, its CUDA kernel and its gradient recipe, in one place (STYLE.md, habit 5).
-`import cupy` never happens here.
+type rule, CPU kernel, its CUDA kernel, its gradient recipe and (for the stdlib's) its row of
+docs/kernels.md, in one place (STYLE.md, habit 5).  `import cupy` never happens here.
 """
 
 from __future__ import annotations
@@ -76,6 +76,23 @@ Raises NotDifferentiable when a wanted gradient cannot be given."""
 
 
 @dataclass(frozen=True)
+class DocRow:
+    """A kernel's row of the table in docs/kernels.md, as data (the attrs column is rendered from
+    the record's own defaults, the kernel column from its name).
+
+    signature: the parameters as the table shows them, inputs then outputs, each the record's own
+    name in order followed by an optional shape or dtype note: "a [m,k], b [k,n] -> c [m,n]"
+    ("()" for none); stream: the placement the seed's five-stream runtime uses ("comp1",
+    "update", "host", ...); formula: what it computes, in markdown; required: the attributes whose
+    default None means "must be given" rather than "none" (shown as `in_h, in_w (required)`)."""
+
+    signature: str
+    stream: str
+    formula: str
+    required: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One primitive launch.
 
@@ -85,8 +102,9 @@ class Kernel:
     in-place updates must stay correct); cuda: "module:function" of the CUDA twin, imported only
     by the CUDA backend, or the function itself (generated kernels: it imports CuPy when called);
     grad: the gradient recipe (GradRecipe; None: an op built on this kernel needs a hand-written
-    `NAME.backward`); host: runs on the host stream (staging writes), filled by the training
-    loop; capturable: False for work a CUDA graph cannot hold (synchronize, allocation);
+    `NAME.backward`); row: its row of docs/kernels.md (DocRow; the stdlib's kernels have one);
+    host: runs on the host stream (staging writes), filled by the training loop; capturable:
+    False for work a CUDA graph cannot hold (synchronize, allocation);
     inplace: an output may be the very storage of an input of its own shape and dtype (each
     element is read before it is written, on every backend); False for kernels that read other
     elements than the one they write (GEMMs, reductions, convolutions, pooling, softmax, batch
@@ -105,3 +123,4 @@ class Kernel:
     doc: str = ""
     inplace: bool = True
     grad: GradRecipe | None = field(default=None, compare=False)
+    row: DocRow | None = field(default=None, compare=False)

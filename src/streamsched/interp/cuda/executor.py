@@ -233,7 +233,13 @@ class CudaExecutor:
         if callable(rec) and not hasattr(rec, "cuda"):
             return rec, {}, False, True
         fn = None
-        path = getattr(rec, "cuda", "") or f"streamsched.stdlib.cuda_kernels:{kernel}"
+        path = getattr(rec, "cuda", "")
+        if not path:  # a bare record named like a stdlib kernel gets the stdlib's twin
+            from streamsched.stdlib.kernels import KERNELS as STDLIB
+
+            if kernel not in STDLIB:
+                raise KeyError(f"kernel {kernel!r} has no CUDA twin")
+            path = STDLIB[kernel].cuda
         if callable(path):  # a generated kernel's twin (stdlib.kernel_lang) or a --kernels module's function
             fn = path
         elif not rec.host:
