@@ -245,6 +245,46 @@ def test_corpus_fixes_parse_and_remove_their_diagnostic(path, tmp_path):
         assert done, "every race, cycle and lifetime error of the corpus offers a fix"
 
 
+def test_the_oracle_sees_a_dropped_wait(monkeypatch):
+    """Test of the test: plans whose optimizer no longer waits for anything (every wait on the
+    update stream dropped, the check bypassed) are told apart from the stream-free reference by
+    the value comparison or the run-time detector."""
+    import streamsched.pipeline as pipeline
+
+    real = pipeline.insert_barriers
+
+    def dropping(schedule, edges, policy=None):
+        plan = real(schedule, edges, policy)
+        kept = tuple(i for i in plan.instrs if not (i.op == "wait" and i.stream == "update"))
+        return dataclasses.replace(plan, instrs=kept, analysis=None, steady=-1)
+
+    monkeypatch.setattr(pipeline, "insert_barriers", dropping)
+    monkeypatch.setattr(pipeline, "validate_plan", lambda plan, edges=(): ())
+    for name in ("cap_none_auto_mlp", "cap_graphs_auto_mlp", "bug_ema_after_optimizer_auto"):
+        path = os.path.join(CORPUS, name + ".sched")
+        c, got = checked(path)
+        assert got == []
+        assert clean_problems(c, path), name
+
+
+@pytest.mark.skipif(not os.environ.get("CORPUS_SWEEP"), reason="minutes: set CORPUS_SWEEP=1")
+def test_every_clean_policy_and_capture_of_the_corpus_computes_the_reference():
+    """Every corpus file under every `--policy` and `--capture` override that checks clean (a few
+    hundred programs) computes the stream-free reference, bitwise, without a run-time race."""
+    bad, n = [], 0
+    for path in FILES:
+        for capture in ("none", "graphs", "step"):
+            for policy in ("auto", "chain", "explicit"):
+                try:
+                    c = compile_file(path, policy=policy, capture=capture)
+                except StreamschedError:
+                    continue
+                if c.ok:
+                    n += 1
+                    bad += [(os.path.basename(path), capture, policy, p) for p in clean_problems(c, path)]
+    assert n > 300 and bad == []
+
+
 def test_streamless_rewrites_streams_into_and_comments():
     text = ("streams {\n    comp1 : compute  # c\n    update : update\n}\nop f(x) -> y on comp1 {\n"
             "    y = relu(x) on update into x  # writes into x\n}\ngraph g on update { clear grad(m) }\n")

@@ -10,6 +10,8 @@ under the wrong code, each pinned by a focused test:
 3. Under capture = step, a pinned staging buffer written twice in one step (an unslotted load, or
    an upload, launched twice) was reported as an R002 cycle through an `after` nobody wrote; the
    host would have to wait inside the step's graph, which is C003.
+4. An upload repeated in a step before anything read the first one was S023 ("overwritten before
+   it is read"), though it only copies the same value again, like a second `clear`.
 """
 
 from __future__ import annotations
@@ -166,4 +168,23 @@ def test_upload_twice_inside_a_captured_step_is_c003():
     ds = [d for d in check_file(p) if d.severity == "error"]
     assert "R002" not in {d.code for d in ds}
     c3 = [d for d in ds if d.code == "C003"]
-    assert len(c3) == 1 and "`lr@host[a]`" in c3[0].message and "upload it once per step" in c3[0].help
+    assert len(c3) == 1 and "`lr@host`" in c3[0].message and "upload it once per step" in c3[0].help
+
+
+# -- 4. a repeated upload is harmless -------------------------------------------------------------
+
+def test_repeated_upload_is_not_s023_but_a_lost_value_still_is(tmp_path):
+    step = """step train(slot) {
+    upload lr on trans
+    zero_grad
+    pass(load[slot])
+    load[next]
+    upload lr on trans
+    optimize
+}
+"""
+    plain = MODEL.replace(" after h1", "").replace(" after a1", "")
+    assert errors(write(tmp_path, STREAMS + plain + GRAPHS + step + TRAIN)) == []
+    # what S023 is for is still found: zero_grad between the backward and the optimizer
+    lost = step.replace("    zero_grad\n", "").replace("    upload lr on trans\n    optimize", "    zero_grad\n    optimize")
+    assert "S023" in {c for c, _ in errors(write(tmp_path, STREAMS + plain + GRAPHS + lost + TRAIN, "l.sched"))}

@@ -491,7 +491,7 @@ def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) 
                 launches = schedule.launches
                 at = launches[t.launch].span if 0 <= t.launch < len(launches) and launches[t.launch].span else t.span
                 first, bufs = rewrites.setdefault(at, (t, []))
-                bufs.extend(b for b in t.outs if b not in bufs)
+                bufs.extend(b for b in map(_base, t.outs) if b not in bufs)  # the slots are one name
         for at, (t, bufs) in rewrites.items():
             copy = tasks[t.attr("waits_in_step_graph")[0]]
             shown = ", ".join(f"`{b}`" for b in bufs) or "a staging buffer"
