@@ -1054,7 +1054,7 @@ class Resolver:
                         op_id += 1
                 elif isinstance(st, A.UploadStmt):
                     stream = self.stream(st.stream, False) if st.stream else home
-                    self.upload(st.name, stream, out, op_id, g.name.id)
+                    self.upload(st.name, stream, out, op_id, g.name.id, per_slot=bool(g.slots))
                     op_id += 1
                 elif isinstance(st, A.SyncStmt):
                     out.append(TaskTemplate("synchronize", home, (), (), (), (), op_id, home, "synchronize",
@@ -1228,9 +1228,12 @@ class Resolver:
             self.fail("S007", f"unknown host value `{name.id}`", name.span,
                       help="the training loop uploads `lr` (the scheduled learning rate) and `step` (the step count, from 1)")
 
-    def upload(self, name: A.Name, stream: str, out, op_id, where: str) -> None:
+    def upload(self, name: A.Name, stream: str, out, op_id, where: str, per_slot: bool = True) -> None:
+        """An `upload` statement of a graph body.  per_slot: the graph has slots, so its pinned
+        staging buffer exists once per slot; a graph without slots gets one (the host waits for
+        the copy that last read it), so the upload does not make the graph need a slot (S017)."""
         self.host_value(name)
-        hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots else "")
+        hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots and per_slot else "")
         for n in self.slotted(hb):
             self.add_buffer(n, (), "f32", "staging", name.span, space="host")
         self.add_buffer(name.id, (), "f32", "scalar", name.span)
@@ -1458,8 +1461,12 @@ class Resolver:
                 self.fail("S009", f"graph `{bg}` has no slots", b.index.span)
             slot = self.slot_of(b.index, slot_param)
         if g.slotted and not slot:
+            sp = slot_param or "slot"
+            # Only forms valid here: `G[slot]` needs G to declare slots; a binding names a slotted graph.
+            binder = next((n for n, gi in graphs.items() if gi.slots and n != gname), "load")
+            forms = [f"`{gname}({binder}[{sp}])`"] + ([f"`{gname}[{sp}]`"] if g.slots else [])
             self.fail("S017", f"graph `{gname}` uses per-slot buffers; say which slot it runs on",
-                      r.span, help=f"write `{gname}(load[{slot_param or 'slot'}])` or `{gname}[{slot_param or 'slot'}]`")
+                      r.span, help=f"write {' or '.join(forms)}")
         binds = tuple(".".join(p.id for p in b.parts) for b in st.binds or ())
         return Launch("graph", graph=gname, slot=slot, after=after, binds=binds, span=st.span)
 
