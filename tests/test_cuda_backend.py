@@ -146,21 +146,19 @@ def _close(got, ref, rtol, atol_rel):
 def test_every_kernel_has_a_cuda_twin(cp):
     import importlib
 
-    from streamsched.stdlib import cuda_kernels
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     for name, rec in KERNELS.items():
         mod, _, attr = rec.cuda.partition(":")
-        m = importlib.import_module(mod)
-        fn = getattr(m, attr)
-        assert fn is m.CUDA_KERNELS[name], name
-        assert mod == "streamsched.stdlib.cuda_kernels_transformer" or fn is cuda_kernels.CUDA_KERNELS[name], name
+        fn = getattr(importlib.import_module(mod), attr)
+        assert fn is CUDA_KERNELS[name], name
 
 
 @pytest.mark.parametrize("case", range(len(_CASES)), ids=_ids())
 def test_kernel_matches_numpy(cp, ctx, case):
     import cupyx
 
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     name, ins, attrs = _CASES[case]
     rec = KERNELS[name]
@@ -195,7 +193,7 @@ def test_kernel_matches_numpy(cp, ctx, case):
 
 
 def test_sgd_step_with_separate_outputs(cp, ctx):
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     w, dw, v = _f(50), _f(50), _f(50)
     lr = np.float32(0.1).reshape(())
@@ -211,7 +209,7 @@ def test_sgd_step_with_separate_outputs(cp, ctx):
 
 
 def test_matmul_f16(cp, ctx):
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     a, b = _f(32, 64).astype(np.float16), _f(64, 16).astype(np.float16)
     c = cp.zeros((32, 16), cp.float16)
@@ -232,7 +230,7 @@ def test_batch_2048_kernels_are_exact_and_bitwise_deterministic(cp, ctx):
     benchmark's shapes: sums within rounding of the float64 sum (they accumulate in double),
     and every result bitwise the same on a second and third run, on either stream, into the
     same or fresh outputs."""
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
 
     z_h, y_h = _f(2048, 10, scale=3), _labels(2048, 10)
     dy_h, b_h, dz_h = _f(2048, 1024), _f(1024), _f(2048, 10)
@@ -284,7 +282,7 @@ def test_batch_2048_kernels_are_exact_and_bitwise_deterministic(cp, ctx):
 def test_bias_add_in_place(cp, ctx):
     """c = a + b written over a (the executor hands the same array object for an in-place
     update), on the vectorized and the scalar path."""
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
 
     for shape in ((2048, 1024), (33, 10)):
         a_h, b_h = _f(*shape), _f(shape[1])
@@ -296,7 +294,7 @@ def test_bias_add_in_place(cp, ctx):
 
 
 def test_bad_label_gives_nan_loss(cp, ctx):
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
 
     y_h = _labels(300, 10)
     y_h[17] = 10

@@ -1,4 +1,4 @@
-"""The CUDA twins of the CNN-step kernels (stdlib/kernels_cnn.py) against their NumPy twins, run to
+"""The CUDA twins of the CNN-step kernels (stdlib.kernels.CNN_KERNELS) against their NumPy twins, run to
 run bitwise determinism, Philox masks against `dropout_bits`, and a captured conv2d +
 batchnorm_train + dropout + offset_advance graph whose replays draw new masks and allocate
 nothing.  Needs CuPy and a GPU; skips itself otherwise (`pytest -m cuda`)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import streamsched.stdlib.kernels_cnn as kc
-from streamsched.stdlib.kernels import KERNELS, infer_types, numpy_dtype
+import streamsched.stdlib.kernels.dropout as kc
+from streamsched.stdlib.kernels import CNN_KERNELS, KERNELS, infer_types, numpy_dtype
 
 pytestmark = pytest.mark.cuda
 
@@ -157,15 +157,18 @@ def _ids():
 
 
 def test_cases_cover_every_cnn_kernel(cp):
-    assert {c[0] for c in CASES} == set(kc.CNN_KERNELS)
+    assert {c[0] for c in CASES} == set(CNN_KERNELS)
 
 
 def test_every_cnn_kernel_has_its_cuda_twin(cp):
-    from streamsched.stdlib import cuda_kernels
+    import importlib
 
-    for name in kc.CNN_KERNELS:
-        assert KERNELS[name].cuda == f"streamsched.stdlib.cuda_kernels:{name}"
-        assert getattr(cuda_kernels, name) is cuda_kernels.CUDA_KERNELS[name], name
+    from streamsched.stdlib.kernels import CUDA_KERNELS
+
+    for name in CNN_KERNELS:
+        mod, _, attr = KERNELS[name].cuda.partition(":")
+        assert mod.startswith("streamsched.stdlib.kernels.") and attr == f"{name}_cuda"
+        assert getattr(importlib.import_module(mod), attr) is CUDA_KERNELS[name], name
 
 
 def _numpy(name, ins, attrs):
@@ -178,7 +181,7 @@ def _numpy(name, ins, attrs):
 def _device(cp, ctx, name, ins, attrs, stream="s1", in_place=True):
     """Run the CUDA twin on fresh device copies; outputs named like an input are that input's
     array (in place, as the executor passes them) unless in_place is False."""
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     rec = KERNELS[name]
     full = {**rec.attrs, **attrs}
@@ -228,10 +231,10 @@ def test_cuda_twin_matches_numpy(cp, ctx, case):
 def test_both_conv_paths_match_numpy_and_are_deterministic(cp, ctx, monkeypatch, case, path):
     """conv2d[_grad_x|_grad_w] take im2col/col2im + cuBLAS or, for small problems, the direct
     kernels: each path alone against the NumPy twin, and bitwise the same on both streams."""
-    from streamsched.stdlib import cuda_kernels
+    from streamsched.stdlib.kernels import CUDA_KERNELS, conv
 
     name, ins, attrs, _ = CASES[case]
-    monkeypatch.setitem(cuda_kernels.CUDA_KERNELS, name, getattr(cuda_kernels, f"_{name}_{path}"))
+    monkeypatch.setitem(CUDA_KERNELS, name, getattr(conv, f"_{name}_{path}"))
     got = _device(cp, ctx, name, ins, attrs, stream="s0")
     _compare(got, _numpy(name, ins, attrs), False, name)
     again = _device(cp, ctx, name, ins, attrs, stream="s1")
@@ -308,7 +311,7 @@ def test_captured_conv_bn_dropout_replays_draw_new_masks_without_allocating(cp, 
     """conv2d -> batchnorm_train -> dropout -> offset_advance captured in one graph on s0: each
     replay reads the advanced device offset (a new mask, the one dropout_bits gives for that
     offset), the rest is bitwise the same every replay, and the graph has no memory nodes."""
-    from streamsched.stdlib.cuda_kernels import CUDA_KERNELS as K
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
 
     n, h, w, c, k = 8, 8, 8, 16, 16
     x_h, w_h = _f(n, h, w, c), _f(3, 3, c, k, scale=0.2)

@@ -198,9 +198,14 @@ def test_mixed_precision_on_cuda_follows_the_cpu(gpu):
     assert int(cuda.params["good_steps"]) == int(cpu.params["good_steps"])
     assert cuda.params["c1.w"].dtype == np.float16 and cuda.params["sgd_amp.master.c1.w"].dtype == np.float32
     np.testing.assert_array_equal(cuda.params["c1.w"], cuda.params["sgd_amp.master.c1.w"].astype(np.float16))
+    # Weights (f16) and their f32 masters within 5e-2 (measured on the H200: at most 1e-2).  The
+    # momentum is a running sum of unscaled f16 gradients, each rounded after a different
+    # summation order (cuBLAS GEMMs against NumPy's), so it drifts more: within 1.5e-1 (measured:
+    # at most 0.09, on `c2.w`).  Conv biases ahead of a batch norm get a gradient of about zero,
+    # so their relative differences mean nothing and are not compared.
     worst = {n: rel_diff(cuda.params[n], cpu.params[n]) for n in cpu.params if ".w" in n or "gamma" in n}
-    bad = {n: d for n, d in worst.items() if not d <= 5e-2}
-    assert not bad, f"relative differences above 5e-2: {bad}"
+    bad = {n: d for n, d in worst.items() if not d <= (1.5e-1 if n.startswith("sgd_amp.v.") else 5e-2)}
+    assert not bad, f"relative differences above the tolerance: {bad}"
     a, b = cpu.history[-1]["train_loss"], cuda.history[-1]["train_loss"]
     assert abs(a - b) <= 2e-2 * max(1.0, abs(a))
 

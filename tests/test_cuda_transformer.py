@@ -1,5 +1,5 @@
-"""The CUDA twins of the transformer kernels (stdlib/cuda_kernels_transformer.py) against their
-NumPy twins, run-to-run bitwise determinism (the embedding backward bitwise equal to the NumPy
+"""The CUDA twins of the transformer kernels (`<name>_cuda` in stdlib/kernels/transformer.py) against
+their NumPy twins, run-to-run bitwise determinism (the embedding backward bitwise equal to the NumPy
 twin, also with its duplicate ids permuted), in-place equal to separate outputs, and a captured
 attention forward and backward that allocates nothing.  Needs CuPy and a GPU; skips itself
 otherwise (`pytest -m cuda`)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import streamsched.stdlib.kernels_transformer as kt
+import streamsched.stdlib.kernels.transformer as kt
 from streamsched.stdlib.kernels import KERNELS, infer_types, numpy_dtype
 
 pytestmark = pytest.mark.cuda
@@ -99,7 +99,7 @@ def _numpy(name, ins, attrs):
 
 
 def _device(cp, ctx, name, ins, attrs, stream="s1", in_place=True):
-    from streamsched.stdlib.cuda_kernels_transformer import CUDA_KERNELS
+    from streamsched.stdlib.kernels import CUDA_KERNELS
 
     rec = KERNELS[name]
     full = {**rec.attrs, **attrs}
@@ -174,7 +174,7 @@ def test_captured_attention_step_allocates_nothing_and_replays_like_eager(cp, ct
     import gc
 
     from streamsched.interp.cuda import graph_nodes_edges
-    from streamsched.stdlib.cuda_kernels_transformer import CUDA_KERNELS as K
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
 
     at = {"heads": 4, "context": 64, "causal": True}
     q, k, v, do = (cp.asarray(_f(256, 48)) for _ in range(4))

@@ -34,3 +34,12 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = block[1].split("#")[0].strip()
     assert "streamsched run examples/mlp_digits.sched" in install_and_run
     assert test_cmd in _read(".ci", "run")
+
+
+def test_kernel_table_is_generated_from_the_records():
+    """docs/kernels.md's kernel table is exactly what the records render (their rows, attribute
+    defaults and families); regenerate it with `python -m streamsched.stdlib.kernels --doc`."""
+    from streamsched.stdlib.kernels._doc import update
+
+    text = _read("docs", "kernels.md")
+    assert text == update(text), "docs/kernels.md is stale: run `python -m streamsched.stdlib.kernels --doc`"

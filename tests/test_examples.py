@@ -36,6 +36,10 @@ def _mlp(act1, act2):
     return forward
 
 
+def _swish(z):
+    return z / (1.0 + np.exp(-z))
+
+
 def _conv3x3(x, w, b):
     """NHWC x, HWIO w, stride 1, zero padding 1 (cross-correlation, as torch's conv2d)."""
     n, h, wd, _ = x.shape
@@ -68,6 +72,7 @@ FORWARD = {
     "resnet_digits_amp.sched": _resnet,
     "resnet_lars.sched": _resnet,
     "seed_step.sched": _resnet,
+    "swish_mlp.sched": _mlp(_swish, _swish),
     "gpt_text.sched": lambda p, x: np.concatenate([gpt_logits(p, x[i:i + 256]) for i in range(0, len(x), 256)]),
 }
 DATA = {  # the examples' `data = ...`, when it is not digits(test = 0.2, seed = 0)

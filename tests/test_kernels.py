@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from streamsched.stdlib.kernel_record import KernelTypeError
 from kernel_helpers import (alias_cases, assert_output_may_be_input, assert_runs_in_one_arena,  # noqa: F401
                             close, num_grad, run, run1)
-from streamsched.stdlib.kernels import KERNELS, infer_types, kernel, numpy_dtype
+from streamsched.stdlib.kernels import FAMILIES, KERNELS, infer_types, kernel, numpy_dtype
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -50,11 +50,10 @@ def arr(shape):
 
 def test_every_kernel_is_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
+    family = {name: f.module for f in FAMILIES for name in f.kernels}
     for name, k in KERNELS.items():
         assert k.name == name and k.doc, name
-        # the transformer kernels' twins live in a module of their own (kernels_transformer.py)
-        assert k.cuda in (f"streamsched.stdlib.cuda_kernels:{name}",
-                          f"streamsched.stdlib.cuda_kernels_transformer:{name}")
+        assert k.cuda == f"{family[name]}:{name}_cuda"
         assert (k.cpu is None) == k.host, name
         assert f"`{name}" in doc, f"docs/kernels.md lacks {name}"
 
@@ -423,8 +422,8 @@ def _sample(key):
 
 
 def test_samples_cover_every_cpu_kernel():
-    from streamsched.stdlib.kernels_cnn import CNN_KERNELS  # covered by tests/test_kernels_cnn.py
-    from streamsched.stdlib.kernels_transformer import TRANSFORMER_KERNELS  # tests/test_kernels_transformer.py
+    from streamsched.stdlib.kernels import CNN_KERNELS  # covered by tests/test_kernels_cnn.py
+    from streamsched.stdlib.kernels.transformer import TRANSFORMER_KERNELS  # tests/test_kernels_transformer.py
 
     assert {_sample(k)[0] for k in SAMPLES} == {n for n, k in KERNELS.items()
                                                 if k.cpu and n not in CNN_KERNELS + TRANSFORMER_KERNELS}

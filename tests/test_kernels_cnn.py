@@ -1,4 +1,4 @@
-"""The CNN-step kernels (stdlib/kernels_cnn.py) against trusted references: convolution against a
+"""The CNN-step kernels (stdlib.kernels.CNN_KERNELS) against trusted references: convolution against a
 naive 7-loop sum, every backward kernel against central finite differences in float64, batch
 norm's running statistics and the optimizers and loss scaler against hand-written PyTorch/paper
 formulas, Philox against Random123's known answers, in-place and arena aliasing, type rules."""
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import streamsched.stdlib.kernels_cnn as kc
+import streamsched.stdlib.kernels.dropout as kc
 from streamsched.stdlib.kernel_record import KernelTypeError
 from kernel_helpers import (alias_cases, assert_output_may_be_input, assert_runs_in_one_arena,  # noqa: F401
                             close, num_grad, run, run1)
-from streamsched.stdlib.kernels import KERNELS, infer_types, kernel, numpy_dtype
+from streamsched.stdlib.kernels import CNN_KERNELS, FAMILIES, KERNELS, infer_types, kernel, numpy_dtype
 
 
 
@@ -44,12 +44,13 @@ def _f(*shape, seed=0):
 
 def test_every_cnn_kernel_is_registered_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
-    assert len(kc.CNN_KERNELS) == 26
-    for name in kc.CNN_KERNELS:
+    family = {name: f.module for f in FAMILIES for name in f.kernels}
+    assert len(CNN_KERNELS) == 26
+    for name in CNN_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host, name
         assert k.capturable, name
-        assert k.cuda == f"streamsched.stdlib.cuda_kernels:{name}"
+        assert k.cuda == f"{family[name]}:{name}_cuda"
         assert f"`{name}`" in doc, f"docs/kernels.md lacks {name}"
 
 
@@ -632,7 +633,7 @@ def _sample(key):
 
 
 def test_samples_cover_every_cnn_kernel():
-    assert set(SAMPLES) == set(kc.CNN_KERNELS)
+    assert set(SAMPLES) == set(CNN_KERNELS)
 
 
 @pytest.mark.parametrize("key,out,inp", alias_cases(SAMPLES))

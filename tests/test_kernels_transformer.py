@@ -1,4 +1,4 @@
-"""The transformer kernels (stdlib/kernels_transformer.py) against trusted references: every
+"""The transformer kernels (stdlib/kernels/transformer.py) against trusted references: every
 backward kernel against central finite differences in float64, attention against a per-head loop
 written from the definition, AdamW and clipping against hand-written PyTorch formulas, the
 embedding scatter-add against an exact sum (math.fsum) and for bitwise independence of the order
@@ -7,6 +7,7 @@ of duplicate ids, in-place and arena aliasing, type rules."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import streamsched.stdlib.kernels_transformer as kt
+import streamsched.stdlib.kernels.transformer as kt
 from kernel_helpers import (alias_cases, assert_output_may_be_input, assert_runs_in_one_arena,  # noqa: F401
                             close, num_grad, run, run1)
 from streamsched.stdlib.kernel_record import KernelTypeError
-from streamsched.stdlib.kernels import KERNELS, infer_types, kernel
+from streamsched.stdlib.kernels import FAMILIES, KERNELS, infer_types, kernel
 
 
 def _f(*shape, seed=0, scale=1.0):
@@ -45,19 +46,21 @@ def test_every_transformer_kernel_is_registered_complete_and_documented():
     for name in kt.TRANSFORMER_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host and k.capturable, name
-        assert k.cuda == f"streamsched.stdlib.cuda_kernels_transformer:{name}"
+        assert k.cuda == f"streamsched.stdlib.kernels.transformer:{name}_cuda"
+        assert k is kt.FAMILY.kernels[name]
         assert f"| `{name}` |" in doc, f"docs/kernels.md lacks a row for {name}"
+    assert kt.TRANSFORMER_KERNELS == tuple(kt.FAMILY.kernels)
+    assert kt.FAMILY in FAMILIES
 
 
 def test_every_transformer_kernel_names_a_cuda_twin_without_importing_cupy():
-    import importlib
-    import sys
+    from streamsched.stdlib.kernels import cuda_twin
 
     had = "cupy" in sys.modules
-    mod = importlib.import_module("streamsched.stdlib.cuda_kernels_transformer")
     for name in kt.TRANSFORMER_KERNELS:
-        assert getattr(mod, name) is mod.CUDA_KERNELS[name], name
-    assert set(mod.CUDA_KERNELS) == set(kt.TRANSFORMER_KERNELS)
+        assert cuda_twin(KERNELS[name]) is getattr(kt, f"{name}_cuda"), name
+    assert {n[:-len("_cuda")] for n in vars(kt) if n.endswith("_cuda") and callable(getattr(kt, n))} \
+        == set(kt.TRANSFORMER_KERNELS)
     assert had or "cupy" not in sys.modules
 
 

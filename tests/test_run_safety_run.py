@@ -273,7 +273,7 @@ def test_an_interrupt_before_any_checkpoint_says_so(tmp_path, capsys, monkeypatc
     sched = project(tmp_path)
     import streamsched.interp.train as train_mod
 
-    def stop(self, k, loss):
+    def stop(self, k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_mod._Run, "after_step", stop)
@@ -368,8 +368,8 @@ train {
 
 
 def test_same_shaped_dropout_sites_draw_different_masks(tmp_path):
-    from streamsched.stdlib.kernels_cnn import site_seed
-    from streamsched.stdlib.kernels_cnn import dropout_bits
+    from streamsched.stdlib.kernels.dropout import site_seed
+    from streamsched.stdlib.kernels.dropout import dropout_bits
 
     p = tmp_path / "drop.sched"
     p.write_text(DROP)

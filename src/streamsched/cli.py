@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 
 from streamsched import __version__
@@ -30,7 +31,26 @@ def _print_diags(diags, sources: SourceCache, fmt: str, stream=None) -> None:
 def _compile(args, sources: SourceCache, path: str):
     from streamsched.pipeline import compile_file
 
-    return compile_file(path, policy=args.policy, capture=getattr(args, "capture", None), sources=sources)
+    return compile_file(path, policy=args.policy, capture=getattr(args, "capture", None), sources=sources,
+                        kernels=_kernel_modules(args))
+
+
+def _kernel_modules(args):
+    """The `--kernels` modules' records, imported once per command (X015 when one cannot be)."""
+    names = getattr(args, "kernels", None) or []
+    if not names:
+        return None
+    if getattr(args, "_kernel_table", None) is None:
+        from streamsched.kernel_api import load_kernel_modules
+
+        if getattr(args, "_kernel_error", False):  # reported with the first file already
+            raise StreamschedError([])
+        try:
+            args._kernel_table = load_kernel_modules(names)
+        except StreamschedError:
+            args._kernel_error = True
+            raise
+    return args._kernel_table
 
 
 def _compiled_or_report(args, sources: SourceCache):
@@ -190,6 +210,7 @@ def cmd_graph(args) -> int:
 def cmd_run(args) -> int:
     from streamsched.interp.train import TaskFailedError, TrainOptions, train
 
+    t_command = time.perf_counter()
     sources = SourceCache()
     try:
         c = _compile(args, sources, args.file)
@@ -203,6 +224,7 @@ def cmd_run(args) -> int:
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
                             argv=tuple(args.argv))
+        t_train = time.perf_counter()
         res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
     except TaskFailedError as e:
         t = e.task
@@ -224,7 +246,10 @@ def cmd_run(args) -> int:
         print(msg)
         return 1 if res.races else 0
     us = 1e6 * res.wall_s / max(res.steps, 1)
-    msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included); "
+    first = (t_train - t_command) + res.first_step_s  # parse, check, data, backend, capture, compile
+    msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included; "
+           f"training {res.steady_us_per_step:.0f} us/step, evaluation {res.eval_s:.2f} s; first step "
+           f"{first:.2f} s after the command); "
            f"epoch {last.get('epoch')}: train loss {last.get('train_loss', float('nan')):.4f}")
     if acc is not None:
         msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
@@ -292,18 +317,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     pol = dict(choices=["auto", "chain", "explicit"], default=None, help="barrier policy (overrides the file)")
     cap = dict(choices=["none", "graphs", "step"], default=None, help="capture mode (overrides the file)")
+    kern = dict(action="append", default=[], metavar="MODULE",
+                help="import kernels written in Python from MODULE (package.module, or an entry point of "
+                     "streamsched.kernels); may be repeated")
 
     c = sub.add_parser("check", help="parse, resolve and prove a schedule race-free")
     c.add_argument("files", nargs="+")
     c.add_argument("--format", choices=["text", "json"], default="text")
     c.add_argument("--policy", **pol)
     c.add_argument("--capture", **cap)
+    c.add_argument("--kernels", **kern)
     c.set_defaults(fn=cmd_check)
 
     lo = sub.add_parser("lower", help="print the event plan (per-stream launch / record / wait)")
     lo.add_argument("file")
     lo.add_argument("--policy", **pol)
     lo.add_argument("--capture", **cap)
+    lo.add_argument("--kernels", **kern)
     lo.add_argument("-o", "--output")
     lo.set_defaults(fn=cmd_lower)
 
@@ -312,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", required=True)
     g.add_argument("--policy", **pol)
     g.add_argument("--capture", **cap)
+    g.add_argument("--kernels", **kern)
     g.add_argument("--captured", action="store_true", help="draw the CUDA graph as captured (needs a GPU)")
     g.set_defaults(fn=cmd_graph)
 
@@ -322,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3)
     t.add_argument("--policy", **pol)
     t.add_argument("--capture", **cap)
+    t.add_argument("--kernels", **kern)
     t.set_defaults(fn=cmd_trace)
 
     r = sub.add_parser("run", help="train: the main job")
@@ -329,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     r.add_argument("--policy", **pol)
     r.add_argument("--capture", **cap)
+    r.add_argument("--kernels", **kern)
     r.add_argument("--epochs", type=int)
     r.add_argument("--steps", type=int, help="stop after this many steps")
     r.add_argument("--lr", type=float, help="constant learning rate (overrides the schedule)")

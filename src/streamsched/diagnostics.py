@@ -8,9 +8,14 @@ X run time (data, devices).  A code never changes meaning; `docs/errors.md` list
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from streamsched.interp.ir import Span
+from streamsched.stdlib.ops_source import STDLIB_PATH, stdlib_text
+
+RENDER_LIMIT = 16 * 2 ** 20
+"""Characters of a source file the renderer reads to show its lines (the loader's limit)."""
 
 
 @dataclass(frozen=True)
@@ -111,14 +116,14 @@ class SourceCache:
 
     def line(self, file: str, line: int) -> str | None:
         text = self.texts.get(file)
-        if text is None and file == "<stdlib>/ops.sched":
-            from streamsched.dsl.load import stdlib_text
-
+        if text is None and file == STDLIB_PATH:
             text = self.texts[file] = stdlib_text()
         if text is None:
             try:  # a file that is not UTF-8 is reported by the loader; show what can be shown
+                if not os.path.isfile(file):  # a FIFO or a device would block or never end
+                    return None
                 with open(file, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
+                    text = f.read(RENDER_LIMIT)  # (the loader refused larger files already)
             except OSError:
                 return None
             self.texts[file] = text

@@ -42,14 +42,15 @@ class Compiled:
 
 
 def compile_file(path: str, text: str | None = None, *, policy: str | None = None, capture: str | None = None,
-                 steps: int | None = None, sources: SourceCache | None = None) -> Compiled:
+                 steps: int | None = None, sources: SourceCache | None = None, kernels=None) -> Compiled:
     """Parse, resolve, unroll, analyse and plan `path`.
 
     policy / capture override the file (command line wins over the `train` block, which wins
-    over a top-level `barriers` line).  Raises StreamschedError for P/S/C diagnostics found while
+    over a top-level `barriers` line); kernels: the `--kernels` modules' records
+    (`streamsched.kernel_api.load_kernel_modules`).  Raises StreamschedError for P/S/C diagnostics found while
     resolving; returns R/C findings of the analysis in `Compiled.diagnostics`.
     """
-    program = resolve(path, text, policy=policy, capture=capture, sources=sources)
+    program = resolve(path, text, policy=policy, capture=capture, sources=sources, kernels=kernels)
     if steps is not None:
         return _plan(program, steps)
     # Unroll until the plan has a steady state the loop can repeat (two periods usually do).
@@ -76,7 +77,7 @@ def _plan(program: Program, steps: int) -> "Compiled":
     diags += lint_updates(schedule, program.model.params if program.model else ())
     diags += lint_launches(program.graphs, program.step, bool(program.step))
     inits = tuple(n for n, _ in program.inits)
-    diags += check_lifetimes(schedule, set(inits), after_step=tuple(host_read), at_end=inits)
+    diags += check_lifetimes(schedule, set(inits), after_step=tuple(host_read), at_end=inits, kernels=program.kernels)
     plan = None
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)
@@ -99,9 +100,9 @@ def _dedupe(diags) -> list[Diagnostic]:
 
 
 def check_file(path: str, *, policy: str | None = None, capture: str | None = None,
-               sources: SourceCache | None = None) -> tuple[Diagnostic, ...]:
+               sources: SourceCache | None = None, kernels=None) -> tuple[Diagnostic, ...]:
     """All diagnostics for `path` (empty when it checks clean)."""
     try:
-        return compile_file(path, policy=policy, capture=capture, sources=sources).diagnostics
+        return compile_file(path, policy=policy, capture=capture, sources=sources, kernels=kernels).diagnostics
     except StreamschedError as e:
         return e.diagnostics

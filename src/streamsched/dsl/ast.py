@@ -2,9 +2,9 @@
 source span (excluded from equality), as produced by `streamsched.dsl.parse.parse`.
 
     File      = item*
-    item      = Streams | OpDef | Place | ModelDef | GraphDef | StepDef | TrainBlock
+    item      = Streams | OpDef | KernelDef | Place | ModelDef | GraphDef | StepDef | TrainBlock
               | Barriers | Include
-    Expr      = Num | Str | Var | Call | BinOp | Neg | Transpose
+    Expr      = Num | Str | Var | Call | BinOp | Neg | Transpose | Compare
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Call:
 
 @dataclass(frozen=True)
 class BinOp:
-    op: str  # + - * /
+    op: str  # + - * /, and ** in kernel bodies
     left: "Expr"
     right: "Expr"
     span: Span | None = _span()
@@ -79,7 +79,25 @@ class Transpose:
     span: Span | None = _span()
 
 
-Expr = Union[Num, Str, Var, Call, BinOp, Neg, Transpose]
+@dataclass(frozen=True)
+class Compare:
+    """`a < b` (also <=, >, >=, ==, !=): only in kernel bodies, where it is 1 or 0 as a number
+    and a condition in `where(c, a, b)`."""
+
+    op: str
+    left: "Expr"
+    right: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Dots:
+    """`...` in a kernel parameter's type: any number of leading dimensions (`x : T[..., n]`)."""
+
+    span: Span | None = _span()
+
+
+Expr = Union[Num, Str, Var, Call, BinOp, Neg, Transpose, Compare]
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,37 @@ class OpDef:
     outs: tuple[OutDecl, ...]
     stream: Name
     body: tuple[KernelStmt, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    """`x : T[...]` (an input tensor) or `alpha = 0.5` (a compile-time attribute)."""
+
+    name: Name
+    type: TypeExpr | None = None
+    default: Expr | None = None
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KernelAssign:
+    """`y = x * sigmoid(x)`: one line of a kernel body (a local value or an output)."""
+
+    target: Name
+    expr: Expr
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    """`kernel NAME(params) -> outs { assignments }`: one launch written as an expression
+    (docs/language.md, "Kernels")."""
+
+    name: Name
+    params: tuple[KernelParam, ...]
+    outs: tuple[OutDecl, ...]
+    body: tuple[KernelAssign, ...]
     span: Span | None = _span()
 
 
@@ -342,7 +391,7 @@ class Include:
     span: Span | None = _span()
 
 
-Item = Union[Streams, OpDef, Place, ModelDef, GraphDef, StepDef, TrainBlock, Barriers, Include, StateBlock]
+Item = Union[Streams, OpDef, KernelDef, Place, ModelDef, GraphDef, StepDef, TrainBlock, Barriers, Include, StateBlock]
 
 
 @dataclass(frozen=True)

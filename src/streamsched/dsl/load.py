@@ -14,12 +14,7 @@ from streamsched.dsl.parse import parse
 from streamsched.interp.ir import Span
 from streamsched.reads import SOURCE_LIMIT, ReadError, human_size, read_regular
 
-STDLIB_PATH = "<stdlib>/ops.sched"
-
-
-@lru_cache(maxsize=1)
-def stdlib_text() -> str:
-    return resources.files("streamsched.stdlib").joinpath("ops.sched").read_text(encoding="utf-8")
+from streamsched.stdlib.ops_source import STDLIB_PATH, stdlib_text  # noqa: F401  (re-exported)
 
 
 @lru_cache(maxsize=1)

@@ -23,11 +23,17 @@ _TOKEN_WORDS = {
     "COMMA": "`,`", "COLON": "`:`", "SEMICOLON": "`;`", "EQUAL": "`=`", "DOT": "`.`",
     "PLUS": "`+`", "MINUS": "`-`", "STAR": "`*`", "SLASH": "`/`", "NAME": "a name",
     "NUMBER": "a number", "STRING": "a string", "MODIFIER": "`param`, `grad` or `state`",
-    "__ANON_0": "`->`", "__ANON_1": "`^T`", "RARROW": "`->`",
+    "__ANON_0": "`->`", "__ANON_1": "`^T`", "RARROW": "`->`", "CMP": "a comparison",
 }
+# Anonymous terminals lark numbers in grammar order: named by their text instead.
+_TEXT_WORDS = {"->": "`->`", "^T": "`^T`", "...": "`...`", "**": "`**`"}
 
 
 def _word(term: str) -> str:
+    if term.startswith("__ANON_"):
+        pattern = _anon_patterns().get(term)
+        if pattern in _TEXT_WORDS:
+            return _TEXT_WORDS[pattern]
     if term in _TOKEN_WORDS:
         return _TOKEN_WORDS[term]
     if term.isupper() and term.isalpha():
@@ -39,6 +45,12 @@ def _word(term: str) -> str:
 def _parser() -> Lark:
     text = resources.files("streamsched.grammar").joinpath("sched.lark").read_text(encoding="utf-8")
     return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+@lru_cache(maxsize=1)
+def _anon_patterns() -> dict[str, str]:
+    """lark's anonymous terminal names (`__ANON_0`) -> the text they match (`->`)."""
+    return {t.name: t.pattern.value for t in _parser().terminals if t.name.startswith("__ANON_")}
 
 
 class _ToAst(Transformer):
@@ -122,6 +134,16 @@ class _ToAst(Transformer):
     sub = _bin("-")
     mul = _bin("*")
     div = _bin("/")
+
+    pow = _bin("**")
+
+    @v_args(meta=True)
+    def compare(self, meta, ch):
+        return A.Compare(str(ch[1]), ch[0], ch[2], self._sp(meta))
+
+    @v_args(meta=True)
+    def dots(self, meta, ch):
+        return A.Dots(self._sp(meta))
 
     @v_args(meta=True)
     def neg(self, meta, ch):
@@ -211,6 +233,33 @@ class _ToAst(Transformer):
     def op_def(self, meta, ch):
         (name, nspan), params, outs, stream, *body = ch
         return A.OpDef(name, nspan, params or (), outs, stream, tuple(body), self._sp(meta))
+
+    # ---- kernels
+    def kernel_params(self, ch):
+        return tuple(ch)
+
+    @v_args(meta=True)
+    def kernel_input(self, meta, ch):
+        return A.KernelParam(ch[0], ch[1], None, self._sp(meta))
+
+    @v_args(meta=True)
+    def kernel_attr(self, meta, ch):
+        return A.KernelParam(ch[0], None, ch[1], self._sp(meta))
+
+    def kernel_outs(self, ch):
+        return tuple(ch)
+
+    out_kdecl = out_decl
+    ktype = type
+
+    @v_args(meta=True)
+    def kernel_assign(self, meta, ch):
+        return A.KernelAssign(ch[0], ch[1], self._sp(meta))
+
+    @v_args(meta=True)
+    def kernel_def(self, meta, ch):
+        name, params, outs, *body = ch
+        return A.KernelDef(name, params or (), outs, tuple(body), self._sp(meta))
 
     @v_args(meta=True)
     def place_stmt(self, meta, ch):
@@ -402,7 +451,7 @@ def _parse_error(exc: UnexpectedInput, text: str, path: str) -> Diagnostic:
     )
 
 
-_BLOCKS = ("streams", "state", "model", "graph", "step", "train", "op", "place", "barriers", "include")
+_BLOCKS = ("streams", "state", "model", "graph", "step", "train", "op", "kernel", "place", "barriers", "include")
 _BRACED = ("streams", "state", "train")
 
 
@@ -449,7 +498,7 @@ MAX_NESTING = 100
 pass after it are built by recursion, so a fixed limit far below Python's keeps them all safe."""
 
 # The grammar rules that nest one expression level (parentheses alone build no node).
-_NESTING_RULES = frozenset({"call", "add", "sub", "mul", "div", "neg", "transpose"})
+_NESTING_RULES = frozenset({"call", "add", "sub", "mul", "div", "neg", "transpose", "pow", "compare"})
 
 
 def _rule_span(tree: Tree, path: str) -> Span | None:

@@ -106,7 +106,9 @@ class Program:
     """The resolved program.  buffers: every buffer (slotted ones once per slot, named `x[a]`);
     inits: buffer -> init spec ("zeros" | "ones" | "glorot" | "normal" ...); train: the `train`
     block's evaluated items plus their spans; host_values: the host scalars uploaded each step;
-    loss_scale: the device scalar seeding the backward (`backward M * S`), "" when unscaled."""
+    loss_scale: the device scalar seeding the backward (`backward M * S`), "" when unscaled;
+    kernels: kernel name -> Kernel record of this program (the stdlib's, `--kernels` modules', the
+    file's `kernel` forms and their gradient kernels): what the backends run tasks with."""
 
     path: str
     streams: tuple[tuple[str, str], ...]
@@ -124,6 +126,13 @@ class Program:
     text_hash: str = ""
     loss_scale: str = ""
     user_ops: tuple = field(default=(), compare=False, repr=False)
+    kernels: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.kernels is None:
+            from streamsched.stdlib.kernels import KERNELS
+
+            object.__setattr__(self, "kernels", KERNELS)
 
     def graph(self, name: str) -> GraphInfo:
         for g in self.graphs:

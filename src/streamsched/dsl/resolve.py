@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamsched.diagnostics import Diagnostic, Label, SourceCache, StreamschedError
 from streamsched.dsl import ast as A
+from streamsched.dsl.derive import derive_op_backward, derived_place_ok
+from streamsched.dsl.kernels import compile_kernel_defs, kernel_as_op_help
 from streamsched.dsl.load import STDLIB_PATH, load_program_files, stdlib_file
 from streamsched.dsl.program import SLOT, AfterRef, GraphInfo, Launch, ModelInfo, Program, TaskTemplate
 from streamsched.interp.fixes import drop_ref
@@ -84,13 +86,24 @@ class _Call:
     outs: tuple[str, ...]
     span: Span | None
     label: str
+    inner_env: dict[str, str] = field(default_factory=dict)  # body statement targets -> buffers
+    inner_nodes: dict[int, str] = field(default_factory=dict)  # id(nested AST call) -> its temporary
 
 
 class Resolver:
     """One resolution run; `resolve()` below is the entry point."""
 
-    def __init__(self, files: list[A.File]):
+    def __init__(self, files: list[A.File], kernels=None):
         self.files = files
+        # This program's kernels: the stdlib's, the `--kernels` modules' and the file's `kernel`
+        # forms (and the gradient kernels derived from them), never shared with another file.
+        self.kernels: dict[str, Any] = {**_kernels(), **dict(kernels or {})}
+        self.kernel_origins: dict[str, str] = dict(getattr(kernels, "origins", {}) or {})
+        self.kernel_defs: dict[str, A.KernelDef] = {}
+        self.kernel_sources: dict[str, Any] = {}  # user kernel -> dsl.kernels.KernelSource
+        self.derived_ops: set[str] = set()  # synthesized NAME.backward ops (lines nobody can edit)
+        self.nested_values: dict[int, str] = {}  # id(nested call in an op body) -> its temporary
+        self.last_env: dict[str, str] = {}  # the last expanded op body's names -> buffers
         self.diags: list[Diagnostic] = []
         self.streams: dict[str, tuple[str, Span | None]] = {}
         self.ops: dict[str, A.OpDef] = {}
@@ -169,6 +182,12 @@ class Resolver:
                     user_ops[item.name] = item
                     self.ops[item.name] = item  # a user op shadows the stdlib op of that name
                     self.stdlib_ops.discard(item.name)
+                elif isinstance(item, A.KernelDef):
+                    if item.name.id in self.kernel_defs:
+                        self.err("S002", f"kernel `{item.name.id}` is defined twice", item.name.span,
+                                 labels=[Label(self.kernel_defs[item.name.id].name.span, "first defined here")])
+                        continue
+                    self.kernel_defs[item.name.id] = item
                 elif isinstance(item, A.Place):
                     self.places[item.target] = item
                 elif isinstance(item, A.ModelDef):
@@ -213,6 +232,9 @@ class Resolver:
                     continue
                 op_name, _, stmt = target.rpartition(".")
                 op = self.ops.get(op_name)
+                if (op is None or stmt not in {t.id for st in op.body for t in st.targets}) and \
+                        derived_place_ok(self, target):
+                    continue  # the backward derived for an op without one, or one of its statements
                 if op is None:
                     self.fail("S006", f"`place {target}`: no op `{target}`", pl.target_span,
                               help="place an op (`place relu on comp1`) or one statement of it "
@@ -400,7 +422,7 @@ class Resolver:
         `prefix.name`); need: the outputs wanted (None = all); statements feeding none of them are
         dropped, so a backward skips gradients nobody uses.
         """
-        stdlib = op.name in self.stdlib_ops
+        stdlib = op.name in self.stdlib_ops or op.name in self.derived_ops
         rep = on or self.placed(op.name, self.stream(op.stream, stdlib), stdlib)
         out_names = [o.name.id for o in op.outs]
         body = list(op.body)
@@ -459,18 +481,21 @@ class Resolver:
                 ids.append(stmt_index[nm])
             t = out[first]
             out[first] = replace(t, after=t.after + tuple(ids))
+        self.last_env = env
 
     def lower_stmt(self, st: A.KernelStmt, env, outs, stream, into, out, op_id, rep, label, call_span, stdlib, op) -> None:
-        kernels = _kernels()
+        kernels = self.kernels
         e = st.expr
         if isinstance(e, A.Var):
             e = A.Call(A.Name("copy", e.span), (e,), (), e.span)
         if not isinstance(e, A.Call):
             e = self.binop_call(e)
         kname = e.func.id
+        if kname not in kernels and kname in self.kernel_defs:
+            raise _Abort()  # a `kernel` form whose mistakes were reported
         if kname not in kernels:
             self.fail("S014", f"unknown kernel `{kname}`", e.func.span,
-                      help="kernels are the stdlib primitives listed in docs/kernels.md")
+                      help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and those of `--kernels` modules")
         k = kernels[kname]
         if len(st.targets) != len(k.outputs):
             self.fail("S005", f"kernel `{kname}` produces {len(k.outputs)} value(s), {len(st.targets)} target(s) given",
@@ -524,9 +549,13 @@ class Resolver:
                           help="an op body reads its parameters and earlier statements' results")
             return env[a.name.id]
         call = a if isinstance(a, A.Call) else self.binop_call(a)
-        kernels = _kernels()
+        kernels = self.kernels
+        if call.func.id not in kernels and call.func.id in self.kernel_defs:
+            raise _Abort()  # a `kernel` form whose mistakes were reported
         if call.func.id not in kernels:
-            self.fail("S014", f"unknown kernel `{call.func.id}`", call.func.span)
+            self.fail("S014", f"unknown kernel `{call.func.id}`", call.func.span,
+                      help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and "
+                           "those of `--kernels` modules")
         k = kernels[call.func.id]
         if len(k.outputs) != 1:
             self.fail("S015", f"kernel `{k.name}` produces several values and cannot be nested", call.span)
@@ -534,12 +563,13 @@ class Resolver:
         self._tmp += 1
         tmp = f"{label.split(' ')[-1]}.t{self._tmp}"
         self.emit(k.name, args, (tmp,), attrs, stream, out, op_id, rep, "", label, call.span, call_span, stdlib)
+        self.nested_values[id(a)] = tmp  # a derived backward reads it
         return tmp
 
     def emit(self, kname, args, outs, attrs, stream, out, op_id, rep, stmt, label, span, call_span, stdlib,
              into=None, kind="act") -> None:
         """Type-check one launch, create its output buffers, append its template."""
-        k = _kernels()[kname]
+        k = self.kernels[kname]
         dup = next((o for i, o in enumerate(outs) if o in outs[:i]), None)
         if dup is not None:
             at = call_span if (stdlib and call_span is not None) else span
@@ -705,7 +735,7 @@ class Resolver:
         name = st.call.func
         if name.id not in self.ops:
             self.fail("S006", f"unknown op `{name.id}`", name.span,
-                      help="ops come from stdlib/ops.sched or an `op` block of this file")
+                      help=kernel_as_op_help(self, name.id) or "ops come from stdlib/ops.sched or an `op` block of this file")
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
         if grads:
@@ -765,7 +795,7 @@ class Resolver:
         if "seed" in attr_vals and "seed" not in given:
             # An RNG key the line does not give is derived from the site, so that two same-shaped
             # dropout sites draw different masks (docs/language.md, "Random sites").
-            from streamsched.stdlib.kernels_cnn import site_seed
+            from streamsched.stdlib.kernels.dropout import site_seed
 
             attr_vals["seed"] = site_seed(m.name.id, target0)
         for p in prm + states:
@@ -823,7 +853,10 @@ class Resolver:
         label = f"{op.name}@{target0}"
         on = self.stream(st.clauses.on, False) if st.clauses.on is not None else None
         first = len(fwd)
+        self.nested_values = {}
         self.expand_op(op, env_op, attr_vals, fwd, op_id, target0, label, st.span, on=on)
+        inner_env = {k: v for k, v in self.last_env.items() if k not in bind and k != "__attrs__"}
+        inner_nodes = dict(self.nested_values)
         if into is not None:
             self.alias_into([bind[o.name.id] for o in op.outs[:len(st.targets)]], into, st.span)
             # The call's last task writing a result carries the clause (a fix drops it there).
@@ -833,7 +866,7 @@ class Resolver:
                     fwd[i] = replace(fwd[i], site=replace(site, into_span=st.clauses.into_span))
                     break
         return _Call(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
-                     tuple(o.name.id for o in op.outs), st.span, label)
+                     tuple(o.name.id for o in op.outs), st.span, label, inner_env, inner_nodes)
 
     def eval_call(self, c: _Call, trained: list[TaskTemplate], out: list[TaskTemplate]) -> None:
         """Append the evaluation form of one forward call: `NAME.eval` bound by name (as a
@@ -882,10 +915,10 @@ class Resolver:
             if not any(outs_g.values()):
                 continue
             bop = self.ops.get(c.op.name + ".backward")
-            if bop is None:
-                self.fail("S012", f"op `{c.op.name}` has no backward, but model `{m.name.id}` is trained through it",
-                          c.span, help=f"define `op {c.op.name}.backward(...)`, or stop gradients before it")
             bind: dict[str, str] = {}
+            if bop is None:  # derived from the body's kernels' gradient recipes (S012 when one has none)
+                want = {x for x in c.inputs + c.params if c.bind[x] in needs}
+                bop, bind = derive_op_backward(self, m, c, want, {o for o, ps in outs_g.items() if ps})
             for o, ps in outs_g.items():
                 gname = grad_name(c.bind[o])
                 if not ps:
@@ -1021,7 +1054,7 @@ class Resolver:
                         op_id += 1
                 elif isinstance(st, A.UploadStmt):
                     stream = self.stream(st.stream, False) if st.stream else home
-                    self.upload(st.name, stream, out, op_id, g.name.id)
+                    self.upload(st.name, stream, out, op_id, g.name.id, per_slot=bool(g.slots))
                     op_id += 1
                 elif isinstance(st, A.SyncStmt):
                     out.append(TaskTemplate("synchronize", home, (), (), (), (), op_id, home, "synchronize",
@@ -1195,9 +1228,12 @@ class Resolver:
             self.fail("S007", f"unknown host value `{name.id}`", name.span,
                       help="the training loop uploads `lr` (the scheduled learning rate) and `step` (the step count, from 1)")
 
-    def upload(self, name: A.Name, stream: str, out, op_id, where: str) -> None:
+    def upload(self, name: A.Name, stream: str, out, op_id, where: str, per_slot: bool = True) -> None:
+        """An `upload` statement of a graph body.  per_slot: the graph has slots, so its pinned
+        staging buffer exists once per slot; a graph without slots gets one (the host waits for
+        the copy that last read it), so the upload does not make the graph need a slot (S017)."""
         self.host_value(name)
-        hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots else "")
+        hb = f"{name.id}@host" + (f"[{SLOT}]" if self.slots and per_slot else "")
         for n in self.slotted(hb):
             self.add_buffer(n, (), "f32", "staging", name.span, space="host")
         self.add_buffer(name.id, (), "f32", "scalar", name.span)
@@ -1226,7 +1262,8 @@ class Resolver:
     def graph_op_call(self, g: A.GraphDef, st: A.CallStmt, out, op_id: int, model_name: str) -> int:
         name = st.call.func
         if name.id not in self.ops:
-            self.fail("S006", f"unknown op `{name.id}`", name.span, help="ops: " + ", ".join(sorted(self.ops)))
+            self.fail("S006", f"unknown op `{name.id}`", name.span,
+                      help=kernel_as_op_help(self, name.id) or "ops: " + ", ".join(sorted(self.ops)))
         op = self.ops[name.id]
         ins, prm, grads, states, attrs = self.classify(op)
         args = list(st.call.args)
@@ -1424,8 +1461,12 @@ class Resolver:
                 self.fail("S009", f"graph `{bg}` has no slots", b.index.span)
             slot = self.slot_of(b.index, slot_param)
         if g.slotted and not slot:
+            sp = slot_param or "slot"
+            # Only forms valid here: `G[slot]` needs G to declare slots; a binding names a slotted graph.
+            binder = next((n for n, gi in graphs.items() if gi.slots and n != gname), "load")
+            forms = [f"`{gname}({binder}[{sp}])`"] + ([f"`{gname}[{sp}]`"] if g.slots else [])
             self.fail("S017", f"graph `{gname}` uses per-slot buffers; say which slot it runs on",
-                      r.span, help=f"write `{gname}(load[{slot_param or 'slot'}])` or `{gname}[{slot_param or 'slot'}]`")
+                      r.span, help=f"write {' or '.join(forms)}")
         binds = tuple(".".join(p.id for p in b.parts) for b in st.binds or ())
         return Launch("graph", graph=gname, slot=slot, after=after, binds=binds, span=st.span)
 
@@ -1463,6 +1504,7 @@ class Resolver:
     # ------------------------------------------------------------------ driver
     def run(self, path: str, policy: str | None, capture: str | None) -> Program:
         self.collect()
+        self.kernels.update(compile_kernel_defs(self, list(self.kernel_defs.values()), _kernels(), self.kernel_origins))
         check_ops(self)
         self.check_places()
         train_vals, train_spans = self.train_items()
@@ -1552,7 +1594,7 @@ class Resolver:
         return Program(path, tuple((n, r) for n, (r, _) in self.streams.items()), tuple(self.buffers.values()),
                        tuple(self.inits.items()), tuple(graphs.values()), step, self.slots, self.model_info,
                        train_vals, train_spans, pol, cap, tuple(sorted(self.uploads)),
-                       loss_scale=self.loss_scale)
+                       loss_scale=self.loss_scale, kernels=self.kernels)
 
 
 def _graph_stmt_name(st) -> str:
@@ -1674,11 +1716,11 @@ def _find_var(e: A.Expr, n: str) -> Span | None:
 
 
 def _check_kernel_names(res: Resolver, e: A.Expr) -> None:
-    kernels = _kernels()
+    kernels = res.kernels
     if isinstance(e, A.Call):
-        if e.func.id not in kernels:
+        if e.func.id not in kernels and e.func.id not in res.kernel_defs:
             res.err("S014", f"unknown kernel `{e.func.id}`", e.func.span,
-                    help="kernels are the stdlib primitives listed in docs/kernels.md")
+                    help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and those of `--kernels` modules")
         for a in e.args:
             _check_kernel_names(res, a)
     elif isinstance(e, A.BinOp):
@@ -1689,10 +1731,12 @@ def _check_kernel_names(res: Resolver, e: A.Expr) -> None:
 
 
 def resolve(path: str, text: str | None = None, *, policy: str | None = None, capture: str | None = None,
-            sources: SourceCache | None = None) -> Program:
+            sources: SourceCache | None = None, kernels=None) -> Program:
     """Read, parse and resolve a `.sched` file (and its includes) into a `Program`.
 
-    policy/capture override the file's settings (the command line wins).  Raises
+    policy/capture override the file's settings (the command line wins); kernels: name -> Kernel
+    records of `--kernels` modules (`streamsched.kernel_api.load_kernel_modules`), added to this
+    program's table only.  Raises
     StreamschedError carrying every diagnostic found (P, S and C families), sorted later by the
     renderer.
     """
@@ -1700,7 +1744,7 @@ def resolve(path: str, text: str | None = None, *, policy: str | None = None, ca
     files, diags = load_program_files(path, text, sources)
     if diags:
         raise StreamschedError(diags)
-    res = Resolver(files)
+    res = Resolver(files, kernels)
     try:
         prog = res.run(path, policy, capture)
     except StreamschedError:

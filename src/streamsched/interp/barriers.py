@@ -133,15 +133,23 @@ class _Planner:
                                for b in cand)]
 
         needed = [a for a in aids if a is not None and c.get(self.anchors[a].lane, 0) < self.anchors[a].pos]
-        # What is needed is decided on the anchors themselves; only then is each kept one moved
-        # to the latest anchor of its share key: a wait binds to the latest record of its event,
-        # and anchors with one key share an event, so the wait is on the latest such anchor of the
-        # lane issued so far.  It covers the original (same lane, later), no record inserted later
-        # can move the binding, and the events stay periodic (one per key), which the steady
-        # state needs.  Moving can make one wait imply another: those are dropped too.
-        keep = minimal(needed)
-        keep = minimal([self.share_last[(self.anchors[a].share, self.anchors[a].lane)]
-                        if self.anchors[a].share is not None else a for a in keep])
+
+        def moved(cands: list[int]) -> list[int]:
+            # A wait binds to the latest record of its event, and anchors with one share key share
+            # an event: a wait for an anchor is a wait on the latest such anchor of its lane issued
+            # so far.  It covers the original (same lane, later), no record inserted later can
+            # move the binding, and the events stay periodic (one per key): the steady state.
+            return [self.share_last[(self.anchors[a].share, self.anchors[a].lane)]
+                    if self.anchors[a].share is not None else a for a in cands]
+
+        if self.policy == "auto":
+            # auto chooses its waits: what is needed is decided on the anchors themselves, and
+            # only the waits it keeps are moved (moving first can hide that another wait implies
+            # one); moving can make one wait imply another: those are dropped too.
+            keep = minimal(moved(minimal(needed)))
+        else:
+            # chain and explicit wait where the policy says, and such a wait binds as on the GPU
+            keep = minimal(moved(needed))
         keep.sort(key=lambda a: (self.rank.get(self.anchors[a].lane[0], len(self.rank)), self.anchors[a].lane[1], a))
         for a in keep:
             self.ins.append(["wait", lane[0], task, a, lane[1], step])

@@ -50,15 +50,18 @@ def _into_span(t: Task):
 
 
 def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), after_step: tuple[str, ...] = (),
-                    at_end: tuple[str, ...] = ()) -> list[Diagnostic]:
+                    at_end: tuple[str, ...] = (), kernels=None) -> list[Diagnostic]:
     """R005 diagnostics of `schedule` (module docstring), one per (value, overwriting statement,
     reader) source position.
 
     initialized: buffers that hold a value before the first step (parameters, optimizer state,
     constants: `Program.inits`); after_step: buffers the training loop reads after every step
-    (the loss); at_end: buffers it reads after the run (parameters and state).  Never raises
-    for user mistakes."""
+    (the loss); at_end: buffers it reads after the run (parameters and state); kernels: the
+    program's kernel table (Program.kernels; default the stdlib's).  Never raises for user
+    mistakes."""
     from streamsched.stdlib.kernels import KERNELS
+
+    KERNELS = kernels if kernels is not None else KERNELS  # noqa: N806
 
     segs = storage_segments(schedule)
     bufs = schedule.buffer_map()

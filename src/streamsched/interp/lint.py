@@ -57,8 +57,14 @@ def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]
         for o in t.outs:
             r = roots.get(o, o)
             prev = pending.get(r)
+            # (a staging write that would have to wait inside the step's graph is C003's to report;
+            # an upload repeated before anything read the first one copies the same value again,
+            # harmless like a second `clear`)
+            again = prev is not None and prev.kernel == t.kernel == "h2d" and prev.stmt == t.stmt \
+                and t.stmt.startswith("upload.") and prev.step == t.step
             if (prev is not None and prev.id != t.id and prev.kernel != "fill" and r in read_anywhere
-                    and r not in host_read and o not in t.args):
+                    and r not in host_read and o not in t.args and not t.attr("waits_in_step_graph")
+                    and not again):
                 key = ("S023", _base(o), prev.span, t.span)
                 if key not in seen:
                     seen.add(key)

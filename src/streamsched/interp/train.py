@@ -95,6 +95,22 @@ class TrainResult:
     e.g. that `--save` wrote no checkpoint because `--steps` stopped inside the first epoch."""
     run_id: str = ""
     threads: int = 1
+    epoch_steps: list[tuple[int, float]] = field(default_factory=list)
+    """(steps, seconds) of each epoch's training phase: from its first step's issue to the read
+    of its losses (which waits for the device), evaluation and checkpoints excluded."""
+    eval_s: float = 0.0
+    """Seconds spent evaluating (and reading parameters for it), all epochs together."""
+    first_step_s: float = 0.0
+    """Seconds from the start of `train` (data loaded, backend set up, graphs captured, kernels
+    compiled) to the first step's issue."""
+
+    @property
+    def steady_us_per_step(self) -> float:
+        """Wall microseconds per training step over every epoch but the first (warm caches,
+        steady state), evaluation excluded; over all epochs when there is only one."""
+        rows = self.epoch_steps[1:] or self.epoch_steps
+        n = sum(k for k, _ in rows)
+        return 1e6 * sum(t for _, t in rows) / n if n else float("nan")
 
     @property
     def final_accuracy(self) -> float:
@@ -169,15 +185,45 @@ def _init_value(b, init: str, rng) -> np.ndarray:
     return v.astype(dt)
 
 
+@dataclass
+class EpochLosses:
+    """The per-step losses of one epoch as the loop reads them, once, at its end (issue 13: no
+    host synchronization inside an epoch): `values` when the backend kept each step's value (the
+    CPU), else only their sum (the CUDA backend sums them on the device).  bad_step: the first
+    step (1-based, in this epoch) whose loss was not finite, with its value; None when all were."""
+
+    total: float = 0.0
+    steps: int = 0
+    bad_step: int | None = None
+    bad_value: float = float("nan")
+    values: list[float] | None = None
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.steps if self.steps else float("nan")
+
+    def __len__(self) -> int:
+        return self.steps
+
+    @classmethod
+    def of(cls, values: list[float]) -> "EpochLosses":
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        finite = [v for v in values if math.isfinite(v)]
+        return cls(float(np.sum(finite)) if finite else 0.0, len(values), None if bad is None else bad + 1,
+                   values[bad] if bad is not None else float("nan"), list(values))
+
+
 class CpuRunner:
-    """The CPU backend behind the loop's small interface: run / read / write / sync / last_loss.
+    """The CPU backend behind the loop's small interface: run / read / write / sync /
+    epoch_losses.
 
     Steps overlap as on a GPU, where the host issues ahead and the streams run asynchronously:
-    `run` issues a step and executes only until that step's loss is computed and every step
-    `window` or more before it has finished; the rest runs interleaved with the next step's work,
-    as the plan's waits allow (`CpuExecutor.issue` / `drain`).  The loss is snapshotted when a
-    task that writes it runs, since the next step may overwrite it before the loop looks
-    (`last_loss`); `read`, `write` and `sync` first drain everything (evaluation, checkpoints).
+    `run` issues a step and executes only until every step `window` or more before it has
+    finished; the rest runs interleaved with the next step's work, as the plan's waits allow
+    (`CpuExecutor.issue` / `drain`).  The loss is snapshotted when a task that writes it runs,
+    since the next step may overwrite it before the loop looks; the loop reads the epoch's values
+    once, at its end (`epoch_losses`), as on the GPU; `read`, `write` and `sync` first drain
+    everything (evaluation, checkpoints).
     Under `interleave = "fixed"` the execution order is the plan's global issue order, as before.
     A kernel failure raises TaskFailedError."""
 
@@ -194,8 +240,8 @@ class CpuRunner:
         self._loss = m.loss if m is not None else None
         self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self._loss in t.outs)
         self._losses: dict[int, tuple[int, np.ndarray]] = {}  # batch -> (loss writes seen, latest value)
-        self._last: tuple[int, int] = (-1, 0)  # the latest batch and how many loss writes it issued
-        self.ex = CpuExecutor(compiled.schedule, self.arrays, KERNELS, interleave=interleave, seed=seed,
+        self._steps: list[int] = []  # batches of the steps issued since the last epoch_losses
+        self.ex = CpuExecutor(compiled.schedule, self.arrays, compiled.program.kernels, interleave=interleave, seed=seed,
                               detect_races=detect_races, on_task_done=self._task_done)
 
     def _task_done(self, task: Task, batch: int) -> None:
@@ -213,22 +259,27 @@ class CpuRunner:
 
     def run(self, instrs, host_fn) -> None:
         """Issue `instrs` (one step; bind the loop step into host_fn, which may run later) and
-        execute until the step's loss is known and older steps are done."""
+        execute until the steps `window` or more before it are done."""
         b = self.ex.issue(instrs, host_fn)
         want = sum(1 for i in instrs if i.op == "launch" and i.task in self._loss_tasks)
-        self._last = (b, want)
-        self._guard(self.ex.drain, b - self.window)
         if want:
-            self._guard(self.ex.drain, lambda: self._losses.get(b, (0,))[0] >= want)
+            self._steps.append(b)
+        self._guard(self.ex.drain, b - self.window)
+
+    def epoch_losses(self) -> EpochLosses:
+        """The losses of the steps issued since the last call, in step order (finishes them)."""
+        self.sync()
+        vals = [float(self._losses[b][1]) if b in self._losses else float(self.read(self._loss)) for b in self._steps]
+        self._losses.clear()
+        self._steps = []
+        return EpochLosses.of(vals)
 
     def last_loss(self, name: str) -> float:
-        """The value of `name` (the model's loss) as the latest step computed it."""
-        b, want = self._last
-        got = self._losses.pop(b, None)
-        for k in [k for k in self._losses if k < b]:
-            del self._losses[k]
-        if name == self._loss and want and got is not None and got[0] >= want:
-            return float(got[1])
+        """The loss of the latest step (finishes it): for callers that want one step's value."""
+        b = self._steps[-1] if self._steps else None
+        self.sync()
+        if name == self._loss and b is not None and b in self._losses:
+            return float(self._losses[b][1])
         return float(self.read(name))
 
     def read(self, name: str) -> np.ndarray:
@@ -366,7 +417,7 @@ def evaluate(program, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarra
             arrs[yin][...] = 0
             arrs[yin][:k] = yb
         for t in fwd:
-            kern = KERNELS[t.kernel]
+            kern = program.kernels[t.kernel]
             kern.cpu([arrs[a] for a in t.args], [arrs[o] for o in t.outs], {**kern.attrs, **dict(t.attrs)})
         logits = arrs[m.logits]
         rows = k * (len(logits) // batch)  # the rows of the real samples (one per token)
@@ -634,6 +685,8 @@ class _Run:
         self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"),
                                epoch_samples=ds.epoch_samples)
         self.spe = self.batches.steps_per_epoch
+        dt = {n: d for n, _, d in m.inputs}
+        self._x_dtype, self._y_dtype = numpy_dtype(dt.get(feat, "f32")), numpy_dtype(dt.get(lab, "i32"))
 
     def lr_request(self) -> tuple[str, tuple, dict, Any]:
         if self.opts.lr is not None:
@@ -708,6 +761,7 @@ class _Run:
 
     def go(self) -> TrainResult:
         opts, program, m = self.opts, self.program, self.m
+        self.t_start = time.perf_counter()
         self.load_data()
         runner = make_runner(self.c, opts)
         self.runner = runner
@@ -758,19 +812,23 @@ class _Run:
         opts, m, spe = self.opts, self.m, self.spe
         segs = self.c.segments or plan_segments(self.c.plan)
         self.cur = -1  # the step (of this run, from 0) whose host work runs
+        self.result.first_step_s = time.perf_counter() - self.t_start
         runner.run(segs.for_step(-1), functools.partial(self.host_fn, step=-1))
         for e in range(self.start_epoch, self.epochs):
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
-            self.epoch_now, self.losses, self.epoch_t0 = e + 1, [], time.perf_counter()
+            self.epoch_now, self.losses, self.epoch_t0 = e + 1, EpochLosses(), time.perf_counter()
+            self.epoch_first = self.steps_run  # steps of this run before this epoch
             for i in range(spe):
                 if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                     break
                 k = (e - self.start_epoch) * spe + i
                 self.cur = k
                 runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
-                loss = runner.last_loss(m.loss)  # this step's, though later work may be in flight
-                self.after_step(k, loss)
+                self.after_step(k)
+            self.losses = runner.epoch_losses()  # the one read of the epoch's losses
+            self.result.epoch_steps.append((len(self.losses), time.perf_counter() - self.epoch_t0))
+            self.check_losses(e)
             runner.sync()
             self.end_epoch(e)
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
@@ -782,34 +840,57 @@ class _Run:
         at = self.cur if step is None else step
         if task.kernel == "stage":
             xb, yb = self.batch_at(at + task.attr("ahead", 0))
-            arrays[task.outs[0]][...] = xb if task.attr("field") == self.feat else yb
+            np.copyto(arrays[task.outs[0]], xb if task.attr("field") == self.feat else yb, casting="unsafe")
         elif task.kernel == "set_scalar":
             k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
             arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
 
     def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """The batch of step j of this run (a prefetch past the end repeats the last batch)."""
+        """The batch of step j of this run (a prefetch past the end repeats the last batch): views
+        of its epoch's samples, gathered in batch order ahead of time (`_epoch_arrays`)."""
         j = min(j, self.local_total - 1) if j >= self.local_total else j
         e, i = divmod(j, self.spe)
-        e += self.start_epoch
-        if getattr(self, "_order_epoch", None) != e:
-            self._order, self._order_epoch = self.batches.order(e), e
-        sel = self._order[i * self.batches.batch:(i + 1) * self.batches.batch]
-        return self.batches.x[sel], self.batches.y[sel]
+        xs, ys = self._epoch_arrays(e + self.start_epoch)
+        b = self.batches.batch
+        return xs[i * b:(i + 1) * b], ys[i * b:(i + 1) * b]
 
-    def after_step(self, k: int, loss: float) -> None:
-        """Bookkeeping after step k of this run (from 0) whose loss was read: record it, stop on a
-        loss that is not finite, move the progress bar."""
-        self.losses.append(loss)
+    def _gather(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch e's samples in its batch order, cast to the model's input dtypes once."""
+        order = self.batches.order(e)
+        return self.batches.x.take(order, axis=0).astype(self._x_dtype, copy=False), \
+            self.batches.y.take(order, axis=0).astype(self._y_dtype, copy=False)
+
+    def _epoch_arrays(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch e's gathered samples.  Host staging runs ahead (issue 13): while epoch e trains,
+        one background thread gathers epoch e + 1, so a step's host work is a copy from a view into
+        its pinned slot (the host waits only on the copy that last read that slot)."""
+        cache = self.__dict__.setdefault("_epochs", {})
+        if e not in cache:
+            fut = self.__dict__.get("_ahead")
+            cache[e] = fut.result() if fut is not None and self._ahead_epoch == e else self._gather(e)
+            for old in [k for k in cache if k < e]:
+                del cache[old]
+            if e + 1 < self.start_epoch + max(self.epochs - self.start_epoch, 1):
+                from concurrent.futures import ThreadPoolExecutor
+
+                pool = self.__dict__.setdefault("_pool", ThreadPoolExecutor(1, thread_name_prefix="staging"))
+                self._ahead, self._ahead_epoch = pool.submit(self._gather, e + 1), e + 1
+        return cache[e]
+
+    def after_step(self, k: int) -> None:
+        """Bookkeeping after issuing step k of this run (from 0): count it, move the progress
+        bar.  Nothing is read from the device here: the losses are read once per epoch."""
         self.steps_run += 1
-        if not math.isfinite(loss):
-            lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
-            raise self.diverged(f"the loss became {loss} at step {self.base_step + k + 1} (epoch {self.epoch_now}/"
-                                f"{self.epochs}){lr_what}")
         if self.bar is not None:
             self.bar.update(1)
-            if k % 5 == 0:
-                self.bar.set_postfix(epoch=self.epoch_now, loss=f"{loss:.4f}")
+
+    def check_losses(self, e: int) -> None:
+        """Stop (X010) when a step of epoch e had a loss that is not finite, naming that step."""
+        el = self.losses
+        if el.bad_step is not None:
+            step = self.base_step + self.epoch_first + el.bad_step  # absolute, from 1
+            lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
+            raise self.diverged(f"the loss became {el.bad_value} at step {step} (epoch {e + 1}/{self.epochs}){lr_what}")
 
     def end_epoch(self, e: int) -> None:
         """After epoch e (from 0): its record (evaluated on the test split), the divergence rule,
@@ -819,13 +900,15 @@ class _Run:
         params = {n: runner.read(n) for n in self.saved}  # params and state (running statistics)
         step = self.base_step + (e - self.start_epoch) * spe + len(losses)
         rec = {"run": self.run_id, "epoch": e + 1, "step": step,
-               "train_loss": float(np.mean(losses)) if losses else float("nan"),
+               "train_loss": losses.mean if len(losses) else float("nan"),
                "lr": self.lr_sched(max(0, min(step - 1, self.lr_sched.total_steps - 1))),
                "time_s": round(time.perf_counter() - self.t0, 3)}
         if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
             rec["loss_scale"] = float(runner.read(program.loss_scale))
         if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1:
+            t_eval = time.perf_counter()
             tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
+            self.result.eval_s += time.perf_counter() - t_eval
             rec.update(test_loss=tl, test_acc=acc)
             if self.ds.kind == "text":  # bytes are the tokens: the loss in bits per byte
                 rec["test_bpb"] = tl / math.log(2)
@@ -975,6 +1058,9 @@ class _Run:
     def close(self, report: bool = False) -> None:
         """Close the bar and the log; report: a failure to close the log (a full disk shows at the
         last flush) is X021, else (another error already on its way) it is dropped."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:  # the staging thread (it may be gathering an epoch nobody will run)
+            pool.shutdown(wait=False, cancel_futures=True)
         if self.bar is not None:
             self.bar.close()
             self.bar = None

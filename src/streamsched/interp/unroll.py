@@ -43,6 +43,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     host_space = {b.name for b in program.buffers if b.space == "host"}
     last_host_write: dict[str, int] = {}
     last_host_read: dict[str, int] = {}
+    last_sync: list[int] = []  # the latest step-level `synchronize` (none under capture = step)
 
     def slot_for(k: int, which: str) -> str:
         if which == "slot":
@@ -114,6 +115,8 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                               op_ids[key], HOST, k, slot, f"{tag}|{li}|sync", "synchronize", "synchronize",
                               launch.span, launch=li))
             ids.append(len(tasks) - 1)
+            if capture != "step":
+                last_sync[:] = [len(tasks) - 1]
         # `after` between launches: every task of this launch follows the referenced launch's
         # last task on each stream.
         extra: list[int] = []
@@ -164,6 +167,12 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                     last_host_write[o] = tid
             if own:
                 tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | own))})
+        if launch.kind != "sync" and last_sync:
+            # The host returns from a `synchronize` only once all earlier work is done, and issues
+            # everything after it only then (cudaDeviceSynchronize): later work follows it.
+            for tid in ids:
+                t = tasks[tid]
+                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(last_sync)))})
         if launch.kind == "graph":
             instances.append((launch.graph, slot, ids))
         if extra:
@@ -204,5 +213,15 @@ def _host_first(tasks: list[Task], capture: str) -> list[Task]:
     out = []
     for old in order:
         t = tasks[old]
-        out.append(Task(**{**t.__dict__, "id": new_id[old], "after": tuple(sorted(new_id[a] for a in t.after))}))
+        after = tuple(sorted(new_id[a] for a in t.after))
+        if t.stream == HOST and any(a > new_id[old] for a in after):
+            # Only under capture = step can host work move above device work it must follow: a
+            # staging buffer written twice in one step, whose second write waits for the copy of
+            # the first, which is now inside the step's graph.  That wait cannot be captured (the
+            # host cannot wait inside a graph): validate_schedule reports C003 from this mark.
+            # It is no `after` the user wrote, so it must never surface as an R002 cycle.
+            waits_for = tuple(a for a in after if a > new_id[old])
+            after = tuple(a for a in after if a < new_id[old])
+            t = Task(**{**t.__dict__, "attrs": t.attrs + (("waits_in_step_graph", waits_for),)})
+        out.append(Task(**{**t.__dict__, "id": new_id[old], "after": after}))
     return out

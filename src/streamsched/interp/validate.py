@@ -484,6 +484,28 @@ def validate_schedule(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge]) 
                 )
             )
     if schedule.capture == "step":
+        rewrites: dict = {}  # step statement's span -> (first host task, its buffers): one finding each
+        for t in tasks:
+            waited = t.attr("waits_in_step_graph")
+            if waited:
+                launches = schedule.launches
+                at = launches[t.launch].span if 0 <= t.launch < len(launches) and launches[t.launch].span else t.span
+                first, bufs = rewrites.setdefault(at, (t, []))
+                bufs.extend(b for b in map(_base, t.outs) if b not in bufs)  # the slots are one name
+        for at, (t, bufs) in rewrites.items():
+            copy = tasks[t.attr("waits_in_step_graph")[0]]
+            shown = ", ".join(f"`{b}`" for b in bufs) or "a staging buffer"
+            labels = (Label(copy.span, f"`{task_name(copy)}` reads the first value here"),) \
+                if copy.span is not None and copy.span != at else ()
+            diags.append(Diagnostic(
+                "C003", f"`{task_name(t)}` rewrites the pinned buffer{'s' if len(bufs) > 1 else ''} {shown} in a "
+                        f"step that already copies {'them' if len(bufs) > 1 else 'it'}: under capture = step the "
+                        f"whole step is one CUDA graph, so the host would have to wait inside that graph for "
+                        f"`{task_name(copy)}` before writing again", at, labels=labels,
+                help="run with `capture = graphs` (the host waits between graph launches), or "
+                     + ("upload it once per step" if t.kernel == "set_scalar" else
+                        "give the graph slots (`graph NAME[a, b]`) so that each copy has a staging buffer "
+                        "of its own")))
         for t in tasks:
             if t.kernel in SYNC_KERNELS and t.attr("in_step_graph"):
                 diags.append(Diagnostic("C003", "`synchronize` in the step under capture = step: the whole step is "

@@ -105,12 +105,16 @@ class CudaExecutor:
     plan becomes one CUDA graph; units with identical instructions share one), default the
     schedule's.  sync_each: synchronize after every eager launch so an asynchronous fault is
     reported against its task (slow; for debugging).  map_nodes: while capturing, note which
-    graph nodes each task created (`CapturedUnit.task_nodes` / `.node_task`).
+    graph nodes each task created (`CapturedUnit.task_nodes` / `.node_task`).  accumulate: a
+    scalar buffer (the model's loss) summed on the device after every task that writes it, in
+    the same stream (captured into the graph under capture), so the training loop reads one
+    total per epoch instead of synchronizing every step (`LossAccumulator`).
     """
 
     def __init__(self, schedule: Schedule, plan: EventPlan, kernels: Mapping[str, Any] | None = None,
                  capture: str | None = None, *, ctx: DeviceContext | None = None,
-                 sync_each: bool = False, tf32: bool = False, map_nodes: bool = True):
+                 sync_each: bool = False, tf32: bool = False, map_nodes: bool = True,
+                 accumulate: str | None = None):
         cp = cupy_module()
         self.cp = cp
         self.schedule = schedule
@@ -139,10 +143,18 @@ class CudaExecutor:
         self._fork = self.ctx.make_events(1)[0]
         self._join = {s: ev for s, ev in zip(self.ctx.names, self.ctx.make_events(len(self.ctx.names)))}
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
+        self.accumulator = None
+        if accumulate is not None and accumulate in self.arrays and str(self.arrays[accumulate].dtype) in (
+                "float32", "float64"):  # (the loss is f32 under mixed precision too)
+            self.accumulator = LossAccumulator(cp, self.arrays[accumulate])
+            self._acc_tasks = frozenset(t.id for t in schedule.tasks if accumulate in t.outs)
+        else:
+            self._acc_tasks = frozenset()
         self._pool = cp.cuda.MemoryPool()  # temporaries of eager launches
         self.graphs: dict[tuple, CapturedUnit] = {}
         self.unit_graph: dict[int, CapturedUnit] = {}
         self._programs: dict[tuple | None, Program] = {}
+        self._by_tuple: dict[int, tuple[tuple, Program]] = {}  # id(instrs) -> (instrs, its program)
         if self.capture != "none":
             self.capture_units()
 
@@ -221,8 +233,16 @@ class CudaExecutor:
         if callable(rec) and not hasattr(rec, "cuda"):
             return rec, {}, False, True
         fn = None
-        path = getattr(rec, "cuda", "") or f"streamsched.stdlib.cuda_kernels:{kernel}"
-        if not rec.host:
+        path = getattr(rec, "cuda", "")
+        if not path:  # a bare record named like a stdlib kernel gets the stdlib's twin
+            from streamsched.stdlib.kernels import KERNELS as STDLIB
+
+            if kernel not in STDLIB:
+                raise KeyError(f"kernel {kernel!r} has no CUDA twin")
+            path = STDLIB[kernel].cuda
+        if callable(path):  # a generated kernel's twin (stdlib.kernel_lang) or a --kernels module's function
+            fn = path
+        elif not rec.host:
             mod, _, attr = path.partition(":")
             fn = getattr(importlib.import_module(mod), attr)
         return fn, dict(rec.attrs), bool(rec.host), bool(rec.capturable)
@@ -279,6 +299,8 @@ class CudaExecutor:
             elif op == "launch":
                 b = self._bound[ins.task]
                 ops.append(("host" if b.host else "launch", b, None))
+                if ins.task in self._acc_tasks and not b.host:  # eager: sum the loss right after it
+                    ops.append(("accumulate", streams[ins.stream], None))
             elif op == "record":
                 if ins.stream != HOST:  # host work is complete when issued: nothing to record
                     ops.append(("record", events[ins.event], streams[ins.stream]))
@@ -300,11 +322,18 @@ class CudaExecutor:
         else:
             # Compiled programs are cached by the identity of the Instr objects, so a training
             # loop that passes plan_segment(plan, k) (fresh tuples of the plan's own Instrs)
-            # compiles each distinct segment once.
-            key = None if instrs is None else tuple(map(id, instrs))
-            prog = self._programs.get(key)
-            if prog is None:
-                prog = self._programs[key] = self.compile(instrs)
+            # compiles each distinct segment once; the very tuple seen before (Segments.for_step
+            # hands out the same one every period) is found without looking at its Instrs.
+            hit = self._by_tuple.get(id(instrs)) if instrs is not None else None
+            if hit is not None and hit[0] is instrs:
+                prog = hit[1]
+            else:
+                key = None if instrs is None else tuple(map(id, instrs))
+                prog = self._programs.get(key)
+                if prog is None:
+                    prog = self._programs[key] = self.compile(instrs)
+                if isinstance(instrs, tuple):
+                    self._by_tuple[id(instrs)] = (instrs, prog)
         cp = self.cp
         host_arrays = self.host_arrays
         with cp.cuda.using_allocator(self._pool.malloc):
@@ -321,6 +350,8 @@ class CudaExecutor:
                     self._launch_graph(a, b)
                 elif kind == "sync":
                     a.synchronize()
+                elif kind == "accumulate":
+                    self.accumulator.launch(a)
                 elif kind == "host":
                     if host_fn is None:
                         raise CudaTaskError("host task reached but run() got no host_fn",
@@ -497,6 +528,8 @@ class CudaExecutor:
                             b.fn(ctx, b.task.stream, b.ins, b.outs, b.attrs)
                             if mapper is not None:
                                 mapper.after(b.task.id, b.task.stream, task_nodes, node_task)
+                            if b.task.id in self._acc_tasks:  # the loss summed in the graph, after its task
+                                self.accumulator.launch(ctx.streams[b.task.stream])
                             current = None
                         elif ins.op == "record":
                             self.events[ins.event].record(ctx.streams[ins.stream])
@@ -539,6 +572,54 @@ class CudaExecutor:
         self.unit_graph.clear()
         self.graphs.clear()
         self.ctx.close()
+
+
+_ACC_SOURCE = r"""
+template <typename T>
+__device__ void acc_step(const T* loss, double* acc) {
+    // acc: [sum of finite losses, steps, first non-finite step (-1: none), its value]
+    double v = (double)loss[0];
+    acc[1] += 1.0;
+    if (isfinite(v)) acc[0] += v;
+    else if (acc[2] < 0.0) { acc[2] = acc[1]; acc[3] = v; }
+}
+extern "C" __global__ void ss_loss_acc_f32(const float* loss, double* acc) { acc_step(loss, acc); }
+extern "C" __global__ void ss_loss_acc_f64(const double* loss, double* acc) { acc_step(loss, acc); }
+"""
+
+
+class LossAccumulator:
+    """The training loop's per-step loss, summed on the device: one single-thread kernel after
+    each task that writes the loss, on that task's stream (so it reads this step's value before
+    the next step can rewrite it: the next writer is the same task on the same stream), captured
+    into the step's graph under capture.  `acc` (f64[4]) holds the sum of the finite losses, the
+    number of steps, the first step (1-based, since the last reset) whose loss was not finite
+    and that value; `take()` reads it once and resets it (ARCHITECTURE.md: no host read inside
+    a captured graph; issue 13: no host synchronization inside an epoch)."""
+
+    def __init__(self, cp, loss):
+        import numpy as np
+
+        self.cp = cp
+        self.loss = loss
+        self.acc = cp.zeros((4,), dtype=cp.float64)
+        self._init = np.array([0.0, 0.0, -1.0, 0.0])
+        self.acc.set(self._init)
+        mod = cp.RawModule(code=_ACC_SOURCE, options=("-std=c++14",))
+        self.fn = mod.get_function(f"ss_loss_acc_{ {'float32': 'f32', 'float64': 'f64'}[str(loss.dtype)] }")
+
+    def launch(self, stream) -> None:
+        with stream:
+            self.fn((1,), (1,), (self.loss, self.acc))
+
+    def take(self, stream) -> tuple[float, int, int, float]:
+        """(sum, steps, first bad step or -1, its value) since the last take; then reset.  The
+        caller has synchronized the streams that accumulate."""
+        got = self.acc.get(stream=stream)
+        stream.synchronize()
+        self.acc.set(self._init, stream=stream)
+        stream.synchronize()
+        return float(got[0]), int(got[1]), int(got[2]), float(got[3])
 
 
 class _NodeMapper:

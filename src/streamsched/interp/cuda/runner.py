@@ -17,10 +17,13 @@ class CudaRunner:
     name = "cuda"
 
     def __init__(self, compiled):
-        from streamsched.stdlib.kernels import KERNELS
-
-        self.ex = CudaExecutor(compiled.schedule, compiled.plan, KERNELS, capture=compiled.schedule.capture)
+        m = compiled.program.model
+        self.loss = m.loss if m is not None else None
+        self.ex = CudaExecutor(compiled.schedule, compiled.plan, compiled.program.kernels,
+                               capture=compiled.schedule.capture, accumulate=self.loss)
         self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
+        self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self.loss in t.outs)
+        self._values: list[float] = []  # per-step losses, only when the device cannot sum them
 
     def _wrap(self, fn, *args):
         from streamsched.interp.train import TaskFailedError
@@ -33,7 +36,23 @@ class CudaRunner:
             raise TaskFailedError(e.task, e) from e
 
     def run(self, instrs, host_fn) -> None:
+        """Issue one step; returns without waiting for the device (the loss is summed there)."""
         self._wrap(self.ex.run, instrs, host_fn)
+        if self.ex.accumulator is None and any(i.op == "launch" and i.task in self._loss_tasks for i in instrs):
+            self._values.append(float(self.read(self.loss)))  # an f16 loss: read per step
+
+    def epoch_losses(self):
+        """The losses of the steps issued since the last call: one synchronize and one 32-byte
+        read per epoch (the device-side sum, `LossAccumulator`)."""
+        from streamsched.interp.train import EpochLosses
+
+        acc = self.ex.accumulator
+        if acc is None:
+            vals, self._values = self._values, []
+            return EpochLosses.of(vals)
+        self._wrap(self.ex.synchronize)
+        total, steps, bad, value = acc.take(self.ex.ctx.streams[self.ex.ctx.names[0]])
+        return EpochLosses(total, steps, bad if bad >= 0 else None, value)
 
     def read(self, name: str) -> np.ndarray:
         return np.array(self._wrap(self.ex.get, name))

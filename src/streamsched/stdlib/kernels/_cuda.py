@@ -1,0 +1,454 @@
+"""What the CUDA twins of every family share: the calling convention and capture rules below, the
+caches of compiled modules, streams, the dense helpers (column sums, row broadcasts) and the raw
+CNN-kernel machinery.  Each family module's CUDA twins, `<kernel>_cuda`, are written so that they
+can be captured into a CUDA graph, with the same semantics as its NumPy twins.
+
+Calling convention: `fn(ctx, stream, ins, outs, attrs)`: ctx a
+`streamsched.interp.cuda.device.DeviceContext`, stream a stream name (or CuPy stream), ins/outs
+CuPy arrays (NumPy pinned arrays for host buffers of h2d/d2h), attrs with defaults filled in.
+Outputs are preallocated; an output may be the very array of an input (in-place updates).
+
+Capture rules kept here (CUDA_PITFALLS.md): GEMMs go through the context's per-stream cuBLAS
+handle (rule 1), copies through cudaMemcpyAsync (rule 8), nothing allocates from a memory pool
+(custom Elementwise/Reduction/Raw kernels with outputs given; no CUB; the one scratch, the
+per-row losses of softmax_xent, is made before capture outside every pool: see loss's `_xent_rows`;
+the convolutions' im2col / col2im temporaries are the exception: they come from the current
+pool, under the executor the captured graph's own: see conv's `_conv2d_gemm`),
+and step-varying scalars (lr, t, dloss) are read from device memory inside the kernels, never
+turned into Python floats (rule 3).  Every reduction has a fixed order (no atomics): results are
+bitwise the same from run to run.  Compile-time attributes (alpha, momentum, ...) are kernel
+arguments and are frozen into a captured graph, as they should be.
+
+CuPy is imported on first use; the kernel objects are built once and cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_K: dict[str, Any] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    """The shared caches and the two memory kernels any family may use (copy, fill), built once
+    (compilation itself happens per dtype on first launch, which is why the executor warms every
+    task up before capture); each family with elementwise kernels of its own builds them alike."""
+    if _K:
+        return _K
+    import cupy as cp
+
+    E = cp.ElementwiseKernel
+    k = _K
+    k["copy"] = E("T a", "T b", "b = a", "ss_copy")
+    k["fill"] = E("float64 v", "T y", "y = (T)v", "ss_fill")
+    k["_raw"] = {}  # RawModules by (kind, dtype[, label dtype])
+    k["_fn"] = {}   # their kernels by (kind, dtype, label dtype, name)
+    k["_sms"] = {}  # device id -> multiprocessor count
+    return k
+
+
+# -- dense helpers: column sums (reduction over a non-last axis) and row-broadcast binaries ----
+
+_DENSE_SRC = r"""
+// y[o, k] = (sum over r of x[o, r, k]) / div for a C-contiguous x: [outer, rows, inner].
+// Block (tx, ty), tx and ty powers of two; block (bx, o) owns columns bx*tx .. bx*tx+tx-1 of
+// outer index o; thread (i, j) adds rows j, j+ty, j+2ty, ... of its column in double, in that
+// order (8 loads in flight per batch), then the ty partial sums of a column are added by a
+// fixed tree in shared memory.  No atomics, no scratch: bitwise deterministic, and every
+// warp reads whole 32-byte sectors (tx >= 8) of a row.
+extern "C" __global__ void ss_colsum(const T_t* x, T_t* y, long long rows, long long inner,
+                                     double div) {
+    __shared__ double part[1024];
+    int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+    long long col = (long long)blockIdx.x * bx + tx;
+    long long o = blockIdx.y;
+    double acc = 0.0;
+    if (col < inner) {
+        const T_t* p = x + o * rows * inner + col;
+        long long k = ty;
+        for (; k + 7 * (long long)by < rows; k += 8 * (long long)by) {
+            double a[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) a[u] = (double)(A_t)p[(k + (long long)u * by) * inner];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc += a[u];
+        }
+        for (; k < rows; k += by) acc += (double)(A_t)p[k * inner];
+    }
+    int t = ty * bx + tx;
+    part[t] = acc;
+    __syncthreads();
+    for (int s = by >> 1; s > 0; s >>= 1) {
+        if (ty < s) part[t] += part[t + s * bx];
+        __syncthreads();
+    }
+    if (ty == 0 && col < inner) y[o * inner + col] = (T_t)(A_t)(part[tx] / div);
+}
+
+__device__ __forceinline__ A_t ss_op(A_t a, A_t b, int op) {
+    return op == 0 ? a + b : (op == 1 ? a - b : a * b);
+}
+
+// c[r, k] = a[r, k] OP b[k] (OP: 0 +, 1 -, 2 *) for C-contiguous a, c: [rows, cols], b: [cols];
+// c is a itself or does not overlap a or b.  Thread k of block (bx, by) does column k of rows
+// by*rpb .. by*rpb+rpb-1, 8 loads in flight before their stores.
+extern "C" __global__ void ss_rowbcast(const T_t* a, const T_t* b, T_t* c, long long rows,
+                                       long long cols, int rpb, int op) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= cols) return;
+    A_t bv = (A_t)b[k];
+    long long r = (long long)blockIdx.y * rpb;
+    long long r1 = r + rpb < rows ? r + rpb : rows;
+    for (; r + 8 <= r1; r += 8) {
+        A_t v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = (A_t)a[(r + u) * cols + k];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) c[(r + u) * cols + k] = (T_t)ss_op(v[u], bv, op);
+    }
+    for (; r < r1; ++r) c[r * cols + k] = (T_t)ss_op((A_t)a[r * cols + k], bv, op);
+}
+
+#ifdef SS_F32
+__device__ __forceinline__ float4 ss_op4(float4 a, float4 b, int op) {
+    float4 r;
+    r.x = ss_op(a.x, b.x, op); r.y = ss_op(a.y, b.y, op);
+    r.z = ss_op(a.z, b.z, op); r.w = ss_op(a.w, b.w, op);
+    return r;
+}
+
+// The same with 16-byte accesses: cols4 = cols / 4, every row start 16-byte aligned.
+extern "C" __global__ void ss_rowbcast4(const float4* a, const float4* b, float4* c, long long rows,
+                                        long long cols4, int rpb, int op) {
+    long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= cols4) return;
+    float4 bv = b[k];
+    long long r = (long long)blockIdx.y * rpb;
+    long long r1 = r + rpb < rows ? r + rpb : rows;
+    for (; r + 8 <= r1; r += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = a[(r + u) * cols4 + k];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) c[(r + u) * cols4 + k] = ss_op4(v[u], bv, op);
+    }
+    for (; r < r1; ++r) c[r * cols4 + k] = ss_op4(a[r * cols4 + k], bv, op);
+}
+#endif
+"""
+
+
+_CTYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
+           "float16": ("__half", "float")}
+
+_DENSE = ("float32", "float64")  # ss_colsum / ss_rowbcast; f16 stays on CuPy's kernels
+
+_HEAD = ("#define CUDART_NAN __int_as_float(0x7fffffff)\n"
+         "#define SS_INF __int_as_float(0x7f800000)\n")
+
+
+def _module(key: tuple, src: str, defines: str = ""):
+    import cupy as cp
+
+    cache = _kernels()["_raw"]
+    mod = cache.get(key)
+    if mod is None:
+        t, a = _CTYPES[key[1]]
+        head = "#include <cuda_fp16.h>\n" if t == "__half" else ""
+        head += _HEAD + defines + f"typedef {t} T_t;\ntypedef {a} A_t;\n"
+        mod = cp.RawModule(code=head + src, options=("-std=c++17",))
+        cache[key] = mod
+    return mod
+
+
+def _function(kind: str, dtype, ltype, name: str, dltype=None):
+    """A kernel of the dense module (kind "dense"), cached by (module, dtype(s), name); the loss
+    family caches its xent module's kernels in the same table."""
+    fns = _kernels()["_fn"]
+    key = (kind, str(dtype), str(ltype), name, str(dltype))
+    f = fns.get(key)
+    if f is None:
+        dt = str(dtype)
+        mod = _module(("dense", dt), _DENSE_SRC, "#define SS_F32 1\n" if dt == "float32" else "")
+        f = fns[key] = mod.get_function(name)
+    return f
+
+
+def _pow2_at_least(v: int) -> int:
+    p = 1
+    while p < v:
+        p *= 2
+    return p
+
+
+def _sm_count(device_id: int) -> int:
+    sms = _kernels()["_sms"]
+    v = sms.get(device_id)
+    if v is None:
+        import cupy as cp
+
+        v = sms[device_id] = int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+    return v
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _cublas():
+    """nvmath-python's cuBLAS bindings (`interp.cuda.device.cublas`), imported on first use, for
+    twins that call cuBLAS themselves on the stream's own handle `ctx.handle(name)` (the
+    transformer's strided-batched attention GEMMs); DeviceContext.gemm covers the plain GEMMs."""
+    from streamsched.interp.cuda.device import cublas
+
+    return cublas()
+
+
+def _stream(ctx, stream):
+    return ctx.stream(stream) if ctx is not None else _null_ctx()
+
+
+class _null_ctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cupy_stream(ctx, stream):
+    if ctx is not None:
+        return ctx.stream(stream)
+    import cupy as cp
+
+    return cp.cuda.get_current_stream()
+
+
+def _overlap(p0: int, n0: int, p1: int, n1: int) -> bool:
+    return p0 < p1 + n1 and p1 < p0 + n0
+
+
+def _prod(dims) -> int:
+    v = 1
+    for d in dims:
+        v *= int(d)
+    return v
+
+
+def _colsum_config(outer: int, rows: int, inner: int, sms: int) -> tuple[int, int, int]:
+    """(tx, ty, grid x) of ss_colsum: the widest column tile (32, 16 or 8 columns) that still
+    gives about a block per multiprocessor, narrower only for fewer columns; then as many
+    row threads as the grid is small (256..1024 threads), never more than the rows."""
+    tx = 32
+    while tx > 8 and -(-inner // tx) * outer < sms:
+        tx //= 2
+    while tx > 1 and tx // 2 >= inner:
+        tx //= 2
+    gx = -(-inner // tx)
+    blocks = gx * outer
+    threads = 1024 if blocks < sms // 2 else (512 if blocks < 2 * sms else 256)
+    cap = 1
+    while cap * 2 <= rows:
+        cap *= 2
+    ty = max(1, min(threads // tx, cap))
+    return tx, ty, gx
+
+
+def _colsum(ctx, stream, x, out, axis: int, mean: bool) -> bool:
+    """sum/mean over a non-last axis of a C-contiguous float array with ss_colsum (coalesced
+    reads, double accumulation, no atomics); False when the case is not one it covers."""
+    import numpy as np
+
+    dt = str(x.dtype)
+    if dt not in _DENSE or out.dtype != x.dtype or x.ndim == 0 or x.size == 0:
+        return False
+    axis %= x.ndim
+    shape = x.shape
+    rows, inner, outer = int(shape[axis]), _prod(shape[axis + 1:]), _prod(shape[:axis])
+    if inner < 2 or outer > 65535 or out.size != outer * inner:
+        return False
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    tx, ty, gx = _colsum_config(outer, rows, inner, _sm_count(x.data.device_id))
+    f = _function("dense", x.dtype, None, "ss_colsum")
+    with _stream(ctx, stream):
+        f((gx, outer, 1), (tx, ty, 1),
+          (x, out, np.int64(rows), np.int64(inner), np.float64(rows if mean else 1.0)))
+    return True
+
+
+def _rowbcast(ctx, stream, a, b, out, op: int) -> bool:
+    """c = a OP b for a C-contiguous a: [..., n] and b: [n] (the bias add) with ss_rowbcast
+    (16-byte accesses for f32 when n % 4 == 0); False when the case is not one it covers
+    (CuPy's elementwise kernel then does it)."""
+    import numpy as np
+
+    if a.ndim < 2 or b.ndim != 1 or out.shape != a.shape:
+        return False
+    cols = int(a.shape[-1])
+    dt = a.dtype
+    if b.shape[0] != cols or b.dtype != dt or out.dtype != dt or str(dt) not in _DENSE or a.size == 0:
+        return False
+    if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    pa, pb, pc = a.data.ptr, b.data.ptr, out.data.ptr
+    if _overlap(pc, out.nbytes, pb, b.nbytes) or (pc != pa and _overlap(pc, out.nbytes, pa, a.nbytes)):
+        return False
+    rows = a.size // cols
+    vec = str(dt) == "float32" and cols % 4 == 0 and (pa | pb | pc) % 16 == 0
+    width = cols // 4 if vec else cols
+    bx = min(256, max(32, _pow2_at_least(width)))
+    gx = -(-width // bx)
+    sms = _sm_count(out.data.device_id)
+    rpb = max(1, min(8, -(-rows * gx // (2 * sms))), -(-rows // 65535))
+    gy = -(-rows // rpb)
+    f = _function("dense", dt, None, "ss_rowbcast4" if vec else "ss_rowbcast")
+    with _stream(ctx, stream):
+        f((gx, gy, 1), (bx, 1, 1), (a, b, out, np.int64(rows), np.int64(width), np.int32(rpb), np.int32(op)))
+    return True
+
+
+def _same_or_copy(src, dst) -> None:
+    """Make dst hold src before an in-place kernel runs on dst (outs given apart from ins)."""
+    if dst is not src:
+        _kernels()["copy"](src, dst)
+
+
+# -- the raw kernels of conv, pooling, normalization, dropout, LARS/EMA/AMP and mixed precision -----
+#
+# Every kernel here is a RawModule kernel compiled per dtype combination (typedefs X_t: the
+# activation dtype, P_t: batch-norm parameters, A_t: the compute dtype, at least f32 as in the
+# NumPy twins, ...), with FMA contraction off (--fmad=false) so that elementwise formulas round
+# like NumPy's.  Sums are fixed-order: a thread adds its indices t, t + 256, ... in double, then
+# a fixed shared-memory tree (`ss_block_sum`); no atomics, no scratch, nothing allocated.
+# Pools are direct gather kernels (one thread, or one block, per output element): the backward
+# passes never scatter, so there is nothing to accumulate atomically.  Convolutions are im2col /
+# col2im gathers around cuBLAS GEMMs (the one temporary, cols, is the exception to "nothing
+# allocated": see _conv2d); their direct kernels remain as the fallback.
+
+_CNN_PRE = r"""
+#define SS_B 256
+__device__ __forceinline__ double ss_wide(float v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(double v) { return v; }
+__device__ __forceinline__ double ss_wide(unsigned char v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(int v) { return (double)v; }
+__device__ __forceinline__ double ss_wide(long long v) { return (double)v; }
+__device__ __forceinline__ void ss_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void ss_put(float* p, double v) { *p = (float)v; }
+__device__ __forceinline__ void ss_put(double* p, float v) { *p = (double)v; }
+__device__ __forceinline__ void ss_put(double* p, double v) { *p = v; }
+__device__ __forceinline__ void ss_put(unsigned char* p, double v) { *p = (unsigned char)v; }
+__device__ __forceinline__ void ss_put(int* p, double v) { *p = (int)v; }
+__device__ __forceinline__ void ss_put(long long* p, double v) { *p = (long long)v; }
+#ifdef SS_HALF
+__device__ __forceinline__ double ss_wide(__half v) { return (double)__half2float(v); }
+__device__ __forceinline__ void ss_put(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void ss_put(__half* p, double v) { *p = __double2half(v); }
+#endif
+#define SS_LD(v) ((A_t)ss_wide(v))
+__device__ __forceinline__ float ss_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double ss_sqrt(double v) { return sqrt(v); }
+__device__ __forceinline__ bool ss_finite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ bool ss_finite(double v) {
+    return (__double_as_longlong(v) & 0x7ff0000000000000LL) != 0x7ff0000000000000LL;
+}
+__device__ __forceinline__ bool ss_isnan(float v) { return v != v; }
+__device__ __forceinline__ bool ss_isnan(double v) { return v != v; }
+__device__ __forceinline__ unsigned long long ss_u64(int v) { return (unsigned long long)(long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(long long v) { return (unsigned long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(float v) { return (unsigned long long)v; }
+__device__ __forceinline__ unsigned long long ss_u64(double v) { return (unsigned long long)v; }
+
+// The sum of every thread's v over a block of exactly SS_B threads, by a fixed tree; every
+// thread gets it.  Ends with a barrier, so sh may be reused at once.
+__device__ __forceinline__ double ss_block_sum(double v, double* sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = SS_B >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads();
+    return r;
+}
+#define SS_LOOP(i, total) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (total); \
+         i += (long long)gridDim.x * blockDim.x)
+"""
+
+
+_CNN_SRC: dict[str, str] = {}
+"""Raw CUDA source by group; each family module adds its own groups (`_CNN_SRC["pool"] = ...`)."""
+
+
+_CNN_CT = {"float16": "__half", "float32": "float", "float64": "double", "uint8": "unsigned char",
+           "int32": "int", "int64": "long long"}
+
+
+def _acc_of(*dtypes) -> str:
+    """The compute dtype of the NumPy twins: f64 if any operand is f64, else f32."""
+    return "float64" if any(str(d) == "float64" for d in dtypes) else "float32"
+
+
+def _cnn_fn(group: str, name: str, **types):
+    """Kernel `name` of _CNN_SRC[group] compiled with the typedefs `types` (typedef name ->
+    dtype); module and function cached by (group, typedefs)."""
+    import cupy as cp
+
+    k = _kernels()
+    tkey = tuple(sorted((t, str(d)) for t, d in types.items()))
+    fkey = ("cnn", group, tkey, name)
+    f = k["_fn"].get(fkey)
+    if f is not None:
+        return f
+    for t, d in tkey:
+        if d not in _CNN_CT:
+            raise NotImplementedError(f"{name}: dtype {d} ({t}) is not supported on the device")
+    mkey = ("cnn", group, tkey)
+    mod = k["_raw"].get(mkey)
+    if mod is None:
+        half = any(d == "float16" for _, d in tkey)
+        head = "#include <cuda_fp16.h>\n#define SS_HALF 1\n" if half else ""
+        head += _HEAD + "".join(f"typedef {_CNN_CT[d]} {t};\n" for t, d in tkey)
+        mod = cp.RawModule(code=head + _CNN_PRE + _CNN_SRC[group],
+                           options=("-std=c++17", "--fmad=false"))
+        k["_raw"][mkey] = mod
+    f = k["_fn"][fkey] = mod.get_function(name)
+    return f
+
+
+_BLOCK = 256  # SS_B
+
+
+def _grid(total: int) -> tuple[int]:
+    """Blocks of 256 threads for a grid-stride loop over `total` items (capped; the loop covers
+    the rest)."""
+    return (max(1, min(-(-int(total) // _BLOCK), 1 << 16)),)
+
+
+def _go(ctx, stream, f, grid, args) -> None:
+    with _stream(ctx, stream):
+        f(grid, (_BLOCK,), args)
+
+
+def _contiguous(name: str, arrays) -> None:
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: operands must be C-contiguous")
+
+
+def _disjoint(name: str, ins, outs) -> None:
+    """Gather kernels read inputs other threads' outputs may overwrite: refuse overlap."""
+    for o in outs:
+        for a in ins:
+            if o.size and a.size and _overlap(o.data.ptr, o.nbytes, a.data.ptr, a.nbytes):
+                raise ValueError(f"{name}: an output shares memory with an input (not supported "
+                                 f"on the device)")
+
+
+def _i32(*vals):
+    import numpy as np
+
+    return tuple(np.int32(int(v)) for v in vals)

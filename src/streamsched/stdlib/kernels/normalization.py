@@ -1,0 +1,343 @@
+"""Batch norm over every axis but the channel (last) one: training statistics, their gradient,
+the running statistics and inference, with f16 activations beside f32 parameters.  `count` of
+batchnorm_stats_update defaults to None and must be given: mean and invstd do not carry the
+batch size."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from streamsched.stdlib.kernel_record import KernelTypeError
+from streamsched.stdlib.kernels._base import (DocRow, Family, _acc, _bn_acc, _channels_last, _floats, _fmt, _int,
+                                              _ints, _number, _same_shape, _write)
+from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid
+
+FAMILY = Family(__name__, "Batch norm")
+_register = FAMILY.register
+
+
+def _vector(k, t, names, i, c: int, of: str) -> None:
+    if t[i][0] != (c,):
+        raise KernelTypeError(f"{k}: {names[i]} must be [{c}], one value per channel of {of}, "
+                              f"got {_fmt(t[i][0])}", arg=i)
+
+
+def _mixed(k, t, names, act: Sequence[int], par: Sequence[int]) -> tuple[str, str]:
+    """Activation inputs `act` share one float dtype, parameter-like inputs `par` another (f16
+    activations with f32 batch-norm parameters, as under mixed precision)."""
+    return _floats(k, t, names, act), _floats(k, t, names, par)
+
+
+def _bn_count(k, t, names, i) -> int:
+    shape = _channels_last(k, t, names, i)
+    count = math.prod(shape[:-1])
+    if count < 2:
+        raise KernelTypeError(f"{k}: {names[i]} {_fmt(shape)} has {count} value per channel; "
+                              f"batch statistics need at least 2 (as PyTorch)", arg=i)
+    return count
+
+
+def _bn_train_infer(k, names, t, at):
+    _number(k, at, "eps", lo=0.0)
+    _bn_count(k, t, names, 0)
+    c = t[0][0][-1]
+    for i in (1, 2):
+        _vector(k, t, names, i, c, f"x {_fmt(t[0][0])}")
+    xdt, pdt = _mixed(k, t, names, (0,), (1, 2))
+    return [(t[0][0], xdt), ((c,), pdt), ((c,), pdt)]
+
+
+def _bn_axes(x: np.ndarray) -> tuple[int, ...]:
+    return tuple(range(x.ndim - 1))
+
+
+def _bn_train_cpu(ins, outs, at):
+    x, gamma, beta = ins
+    xa = _bn_acc(x, gamma)
+    mean = xa.mean(axis=_bn_axes(x))
+    xc = xa - mean
+    invstd = 1.0 / np.sqrt((xc * xc).mean(axis=_bn_axes(x)) + at["eps"])
+    y = xc * invstd * gamma + beta
+    _write(outs[1], mean)
+    _write(outs[2], invstd)
+    _write(outs[0], y)
+
+
+_register("batchnorm_train", "x gamma beta", "y mean invstd", _bn_train_infer, _bn_train_cpu,
+          {"eps": 1e-5}, doc="""
+Training-mode batch norm over every axis but the channel (last) one: N, H, W for x [n, h, w, c],
+N for x [n, c].  With m = n*h*w values per channel:  mean = sum(x) / m;
+var = sum((x - mean)^2) / m (biased, two-pass; PyTorch normalizes with the biased variance);
+invstd = 1 / sqrt(var + eps);  y = (x - mean) * invstd * gamma + beta.
+x: float, gamma, beta: [c] of one float dtype that may differ from x's (f16 activations with
+f32 parameters) -> y: x's type, mean, invstd: [c] in gamma's dtype (kept for batchnorm_grad and
+batchnorm_stats_update).  Computed in the wider of the two dtypes, at least f32.  m must be >= 2.
+""", inplace=False,
+          row=DocRow("x [..., c], gamma [c], beta [c] -> y, mean [c], invstd [c]", "comp2",
+                     "batch stats over all axes but the last; biased var; invstd = 1/sqrt(var + eps); y = (x - "
+                     "mean) invstd gamma + beta"))
+
+
+def _bn_grad_infer(k, names, t, at):
+    _same_shape(k, t, names, (0, 1))
+    _bn_count(k, t, names, 1)
+    c = t[1][0][-1]
+    for i in (2, 3, 4):
+        _vector(k, t, names, i, c, f"x {_fmt(t[1][0])}")
+    xdt, pdt = _mixed(k, t, names, (0, 1), (2, 3, 4))
+    return [(t[1][0], xdt), ((c,), pdt), ((c,), pdt)]
+
+
+def _bn_grad_cpu(ins, outs, at):
+    dy, x, gamma, mean, invstd = ins
+    axes = _bn_axes(x)
+    dya, xa = _bn_acc(dy, gamma), _bn_acc(x, gamma)
+    xhat = (xa - mean) * invstd
+    dbeta = dya.sum(axis=axes)
+    dgamma = (dya * xhat).sum(axis=axes)
+    m = xa.size // xa.shape[-1]
+    dx = (dya - dbeta / m - xhat * (dgamma / m)) * (invstd * gamma)
+    _write(outs[1], dgamma)
+    _write(outs[2], dbeta)
+    _write(outs[0], dx)
+
+
+_register("batchnorm_grad", "dy x gamma mean invstd", "dx dgamma dbeta", _bn_grad_infer,
+          _bn_grad_cpu, doc="""
+The gradient of batchnorm_train (batch statistics, so dx includes the paths through mean and
+var), from its forward input x and its saved mean, invstd:  xhat = (x - mean) * invstd;
+dbeta = sum(dy);  dgamma = sum(dy * xhat)  (sums over every axis but the last);
+dx = gamma * invstd * (dy - dbeta / m - xhat * dgamma / m),  m = values per channel
+(PyTorch's batch_norm_backward).  dy, x: one shape and float dtype; gamma, mean, invstd: [c] of
+one float dtype -> dx: x's type, dgamma, dbeta: [c] in gamma's dtype.
+""", inplace=False,
+          row=DocRow("dy, x, gamma, mean, invstd -> dx, dgamma, dbeta", "comp2",
+                     "xhat = (x - mean) invstd; dbeta = Σdy; dgamma = Σdy·xhat; dx = gamma invstd (dy - dbeta/m "
+                     "- xhat dgamma/m)"))
+
+
+def _bn_stats_infer(k, names, t, at):
+    _number(k, at, "momentum", lo=0.0, hi=1.0)
+    _number(k, at, "eps", lo=0.0)
+    _int(k, at, "count", 2, "values per channel of the batch, n*h*w")
+    shape = _same_shape(k, t, names, (0, 1, 2, 3))
+    if len(shape) != 1:
+        raise KernelTypeError(f"{k}: {names[0]} must be 1-D [c], got {_fmt(shape)}", arg=0)
+    dt = _floats(k, t, names, (0, 1, 2, 3))
+    return [(shape, dt), (shape, dt)]
+
+
+def _bn_stats_cpu(ins, outs, at):
+    rmean, rvar, mean, invstd = ins
+    mom, (count,) = at["momentum"], _ints(at, "count")
+    a = invstd.astype(np.float64)  # the recovery subtracts eps: done in double
+    var = np.maximum(1.0 / (a * a) - at["eps"], 0.0)
+    unbiased = var * (count / (count - 1))
+    new_mean = (1 - mom) * _acc(rmean) + mom * _acc(mean)
+    new_var = (1 - mom) * _acc(rvar) + mom * unbiased
+    _write(outs[0], new_mean)
+    _write(outs[1], new_var)
+
+
+_register("batchnorm_stats_update", "running_mean running_var mean invstd",
+          "running_mean running_var", _bn_stats_infer, _bn_stats_cpu,
+          {"momentum": 0.1, "count": None, "eps": 1e-5}, doc="""
+PyTorch's running statistics (torch.nn.BatchNorm2d, training mode): the batch variance is
+recovered from invstd as var = max(1 / invstd^2 - eps, 0) in double (eps must be
+batchnorm_train's; the recovery is exact up to rounding relative to var + eps), made
+unbiased, var_u = var * count / (count - 1), and
+running_mean = (1 - momentum) running_mean + momentum mean;
+running_var = (1 - momentum) running_var + momentum var_u.
+count (required) is the values per channel, n*h*w (n for [n, c] input), >= 2.
+All four: [c], one float dtype -> (running_mean, running_var), normally in place.
+""",
+          row=DocRow("running_mean, running_var, mean, invstd -> running_mean, running_var", "update",
+                     "var = max(1/invstd² - eps, 0); rm = (1-mom) rm + mom mean; rv = (1-mom) rv + mom "
+                     "var·count/(count-1)", required=("count",)))
+
+
+def _bn_infer_infer(k, names, t, at):
+    _number(k, at, "eps", lo=0.0)
+    c = _channels_last(k, t, names, 0)[-1]
+    for i in (1, 2, 3, 4):
+        _vector(k, t, names, i, c, f"x {_fmt(t[0][0])}")
+    xdt, _ = _mixed(k, t, names, (0,), (1, 2, 3, 4))
+    return [(t[0][0], xdt)]
+
+
+def _bn_infer_cpu(ins, outs, at):
+    x, gamma, beta, rmean, rvar = ins
+    invstd = 1.0 / np.sqrt(_acc(rvar) + at["eps"])
+    _write(outs[0], (_bn_acc(x, gamma) - rmean) * invstd * gamma + beta)
+
+
+_register("batchnorm_infer", "x gamma beta running_mean running_var", "y", _bn_infer_infer,
+          _bn_infer_cpu, {"eps": 1e-5}, doc="""
+Inference-mode batch norm: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta,
+per channel (the last axis).  x: [..., c] float; gamma, beta, running_mean, running_var: [c] of
+one float dtype -> y: x's type.
+""",
+          row=DocRow("x, gamma, beta, running_mean, running_var -> y", "comp2",
+                     "y = (x - rm) / sqrt(rv + eps) gamma + beta"))
+
+
+# ============================================================================================
+# CUDA twins, `<kernel>_cuda(ctx, stream, ins, outs, attrs)`: what each record's `cuda` names.
+# CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
+
+
+# Batch norm over x [m, c] (channels last): one block of SS_B threads per channel.  Parameters
+# are read before the first barrier and the [c] outputs written by thread 0 after it; every
+# element of x/dy is read and then written (y, dx) by the same thread: in place is safe.
+_CNN_SRC["bn"] = r"""
+extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y,
+                                       P_t* mean, P_t* invstd, long long m, int c, double eps) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
+    double s1 = 0.0;
+    for (long long r = t; r < m; r += SS_B) s1 += ss_wide(x[r * c + ch]);
+    s1 = ss_block_sum(s1, sh);
+    A_t mu = (A_t)(s1 / (double)m);
+    double s2 = 0.0;
+    for (long long r = t; r < m; r += SS_B) {
+        A_t d = SS_LD(x[r * c + ch]) - mu;
+        s2 += (double)(d * d);
+    }
+    s2 = ss_block_sum(s2, sh);
+    A_t var = (A_t)(s2 / (double)m);
+    A_t inv = (A_t)1 / ss_sqrt(var + (A_t)eps);
+    if (t == 0) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(x[i]) - mu;
+        ss_put(y + i, d * inv * g + bt);
+    }
+}
+
+extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* gamma,
+                                      const P_t* mean, const P_t* invstd, X_t* dx, P_t* dgamma,
+                                      P_t* dbeta, long long m, int c) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), mu = SS_LD(mean[ch]), inv = SS_LD(invstd[ch]);
+    double sb = 0.0, sg = 0.0;
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(dy[i]);
+        A_t xh = (SS_LD(x[i]) - mu) * inv;
+        sb += (double)d;
+        sg += (double)(d * xh);
+    }
+    sb = ss_block_sum(sb, sh);
+    sg = ss_block_sum(sg, sh);
+    A_t db = (A_t)sb, dg = (A_t)sg;
+    if (t == 0) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
+    A_t am = (A_t)m;
+    A_t k1 = db / am, k2 = dg / am, sc = inv * g;
+    for (long long r = t; r < m; r += SS_B) {
+        long long i = r * c + ch;
+        A_t d = SS_LD(dy[i]);
+        A_t xh = (SS_LD(x[i]) - mu) * inv;
+        ss_put(dx + i, (d - k1 - xh * k2) * sc);
+    }
+}
+"""
+
+
+# Running statistics, one thread per channel, rounded like the NumPy twin: the mean update in
+# A_t, the variance recovered from invstd in double, (1 - momentum) * running_var in A_t plus
+# momentum * unbiased var in double.
+_CNN_SRC["bnstat"] = r"""
+extern "C" __global__ void ss_bn_stats(const P_t* rm, const P_t* rv, const P_t* mean,
+                                       const P_t* invstd, P_t* rm_out, P_t* rv_out, int c,
+                                       double om, double mom, double eps, double ratio) {
+    SS_LOOP(i, (long long)c) {
+        double a = ss_wide(invstd[i]);
+        double var = 1.0 / (a * a) - eps;
+        if (var < 0.0) var = 0.0;
+        double unb = var * ratio;
+        A_t aom = (A_t)om, amom = (A_t)mom;
+        A_t nm = aom * SS_LD(rm[i]) + amom * SS_LD(mean[i]);
+        double nv = (double)(aom * SS_LD(rv[i])) + mom * unb;
+        ss_put(rm_out + i, nm);
+        ss_put(rv_out + i, nv);
+    }
+}
+"""
+
+
+# B_t: the parameters' compute dtype (invstd is computed in it, as the NumPy twin does).
+_CNN_SRC["bninf"] = r"""
+extern "C" __global__ void ss_bn_infer(const X_t* x, const P_t* gamma, const P_t* beta,
+                                       const P_t* rm, const P_t* rv, X_t* y, long long total,
+                                       int c, double eps) {
+    SS_LOOP(i, total) {
+        int ch = (int)(i % c);
+        B_t inv = (B_t)1 / ss_sqrt((B_t)ss_wide(rv[ch]) + (B_t)eps);
+        A_t v = (SS_LD(x[i]) - SS_LD(rm[ch])) * (A_t)inv * SS_LD(gamma[ch]) + SS_LD(beta[ch]);
+        ss_put(y + i, v);
+    }
+}
+"""
+
+
+def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, gamma, beta = ins
+    y, mean, invstd = outs
+    _contiguous("batchnorm_train", list(ins) + list(outs))
+    c = int(x.shape[-1])
+    f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
+    _go(ctx, stream, f, (c,), (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
+                               np.float64(attrs.get("eps", 1e-5))))
+
+
+def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    dy, x, gamma, mean, invstd = ins
+    dx, dgamma, dbeta = outs
+    _contiguous("batchnorm_grad", list(ins) + list(outs))
+    c = int(x.shape[-1])
+    f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
+    _go(ctx, stream, f, (c,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
+                               np.int64(x.size // c), np.int32(c)))
+
+
+def batchnorm_stats_update_cuda(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    rm, rv, mean, invstd = ins
+    rm_out, rv_out = outs
+    _contiguous("batchnorm_stats_update", list(ins) + list(outs))
+    c = int(rm.size)
+    mom = float(attrs.get("momentum", 0.1))
+    count = attrs.get("count")
+    if count is None:
+        raise ValueError("batchnorm_stats_update: attribute count must be given")
+    count = int(count)
+    f = _cnn_fn("bnstat", "ss_bn_stats", P_t=rm.dtype, A_t=_acc_of(rm.dtype))
+    _go(ctx, stream, f, _grid(c), (rm, rv, mean, invstd, rm_out, rv_out, np.int32(c),
+                                   np.float64(1 - mom), np.float64(mom),
+                                   np.float64(attrs.get("eps", 1e-5)),
+                                   np.float64(count / (count - 1))))
+
+
+def batchnorm_infer_cuda(ctx, stream, ins, outs, attrs):
+    import numpy as np
+
+    x, gamma, beta, rm, rv = ins
+    y = outs[0]
+    _contiguous("batchnorm_infer", list(ins) + [y])
+    c = int(x.shape[-1])
+    if y.size == 0:
+        return
+    f = _cnn_fn("bninf", "ss_bn_infer", X_t=x.dtype, P_t=gamma.dtype,
+                A_t=_acc_of(x.dtype, gamma.dtype), B_t=_acc_of(gamma.dtype))
+    _go(ctx, stream, f, _grid(y.size), (x, gamma, beta, rm, rv, y, np.int64(y.size), np.int32(c),
+                                        np.float64(attrs.get("eps", 1e-5))))
