@@ -145,9 +145,8 @@ class _ModelExpander:
         return Forward(m, info, tuple(calls))
 
     def call(self, st: A.OpUse, fwd: list[TaskTemplate], op_id: int) -> ForwardCall:
-        """Bind, check and expand (into `fwd`) the op call of one model line."""
-        m, env, values = self.m, self.env, self.values
-        buffers, sink = self.buffers, self.sink
+        """Bind, check and expand (into `fwd`) the op call of one model line: its inputs, free
+        dimensions and attributes, then its parameters and state, its results, its body."""
         name = st.call.func
         if name.id not in self.scope.ops:
             self.fail("S006", f"unknown op `{name.id}`", name.span,
@@ -157,15 +156,54 @@ class _ModelExpander:
         ins, prm, grads, states, attrs = classify(op)
         if grads:
             self.fail("S015", f"`{op.name}` is an optimizer op; call it in a graph body on a model", name.span)
-        # Free dimensions: named in param/output types but not in input types.
-        in_dims = {d.name.id for p in ins if p.type for d in (p.type.dims or ()) if isinstance(d, A.Var)}
-        free: list[str] = []
-        for t in [p.type for p in prm + states] + [o.type for o in op.outs]:
-            if t is None:
-                continue
-            for d in t.dims or ():
-                if isinstance(d, A.Var) and d.name.id not in in_dims and d.name.id not in free:
-                    free.append(d.name.id)
+        free = _free_dims(op, ins, prm + states)
+        given = self.arguments(st, op, ins, free, attrs)
+        bind: dict[str, str] = {}  # op param/out name -> buffer
+        dims: dict[str, Any] = {}  # dimension and dtype variables
+        self.bind_inputs(st, op, ins, given, bind, dims)
+        for d in free:
+            if d in given:
+                v = const(self.sink, given[d], self.env)
+                if not isinstance(v, int) or v <= 0:
+                    self.fail("S003", f"dimension `{d}` must be a positive integer, got {v!r}", given[d].span)
+                dims[d] = v
+            else:
+                self.fail("S005", f"op `{op.name}` needs the dimension `{d}`", st.call.span)
+        attr_vals = {a.name.id: const(self.sink, a.default, {}) for a in attrs}
+        for a in attrs:
+            if a.name.id in given:
+                attr_vals[a.name.id] = const(self.sink, given[a.name.id], self.env)
+        target0 = st.targets[0].id
+        if "seed" in attr_vals and "seed" not in given:
+            # An RNG key the line does not give is derived from the site, so that two same-shaped
+            # dropout sites draw different masks (docs/language.md, "Random sites").
+            from streamsched.stdlib.kernels.dropout import site_seed
+
+            attr_vals["seed"] = site_seed(self.m.name.id, target0)
+        self.weights(op, prm + states, target0, dims, bind)
+        into = self.results(st, op, ins, dims, bind)
+        attr_vals = {**dims, **attr_vals}  # dimension variables are constants in the body too
+        label = f"{op.name}@{target0}"
+        on = self.streams.stream(st.clauses.on, False) if st.clauses.on is not None else None
+        first = len(fwd)
+        cx = self.lower.expand_op(op, bind, attr_vals, fwd, op_id=op_id, prefix=target0, label=label,
+                                  call_span=st.span, on=on)
+        inner_env = {k: v for k, v in cx.env.items() if k not in bind}
+        if into is not None:
+            results = {bind[o.name.id] for o in op.outs[:len(st.targets)]}
+            self.buffers.alias_into([bind[o.name.id] for o in op.outs[:len(st.targets)]], into, st.span)
+            # The call's last task writing a result carries the clause (a fix drops it there).
+            for i in reversed(range(first, len(fwd))):
+                if set(fwd[i].outs) & results:
+                    site = fwd[i].site or Site()
+                    fwd[i] = replace(fwd[i], site=replace(site, into_span=st.clauses.into_span))
+                    break
+        return ForwardCall(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
+                           tuple(o.name.id for o in op.outs), st.span, label, inner_env, dict(cx.nested))
+
+    def arguments(self, st: A.OpUse, op: A.OpDef, ins, free: list[str], attrs) -> dict[str, A.Expr]:
+        """The line's arguments by parameter name: positional ones fill the inputs, then the free
+        dimensions, then the attributes; named ones any of them (S005, S015)."""
         slots_ = [p.name.id for p in ins] + free + [a.name.id for a in attrs]
         pos = list(st.call.args)
         if len(pos) > len(slots_) or len(pos) < len(ins):
@@ -181,8 +219,13 @@ class _ModelExpander:
                 self.fail("S015", f"op `{op.name}` has no parameter `{kw.name.id}`", kw.name.span,
                           help=f"parameters: {', '.join(slots_)}")
             given[kw.name.id] = kw.value
-        bind: dict[str, str] = {}
-        dims: dict[str, Any] = {}
+        return given
+
+    def bind_inputs(self, st: A.OpUse, op: A.OpDef, ins, given: dict[str, A.Expr], bind: dict[str, str],
+                    dims: dict[str, Any]) -> None:
+        """Bind each input to the model value it names, unifying its type with the value's
+        (binding dims); a value a failed line would have made aborts quietly."""
+        m, values = self.m, self.values
         for p in ins:
             a = given.get(p.name.id)
             if a is None:
@@ -196,42 +239,34 @@ class _ModelExpander:
                           help=("values so far: " + ", ".join(values)) if values else "declare it with `input`")
             bind[p.name.id] = values[a.name.id]
             if p.type is not None:
-                unify(sink, p.type, buffers.btype(values[a.name.id]), dims, f"`{a.name.id}`", a.span, p.span)
-        for d in free:
-            if d in given:
-                v = const(sink, given[d], env)
-                if not isinstance(v, int) or v <= 0:
-                    self.fail("S003", f"dimension `{d}` must be a positive integer, got {v!r}", given[d].span)
-                dims[d] = v
-            else:
-                self.fail("S005", f"op `{op.name}` needs the dimension `{d}`", st.call.span)
-        attr_vals = {a.name.id: const(sink, a.default, {}) for a in attrs}
-        for a in attrs:
-            if a.name.id in given:
-                attr_vals[a.name.id] = const(sink, given[a.name.id], env)
-        target0 = st.targets[0].id
-        if "seed" in attr_vals and "seed" not in given:
-            # An RNG key the line does not give is derived from the site, so that two same-shaped
-            # dropout sites draw different masks (docs/language.md, "Random sites").
-            from streamsched.stdlib.kernels.dropout import site_seed
+                unify(self.sink, p.type, self.buffers.btype(values[a.name.id]), dims, f"`{a.name.id}`", a.span,
+                      p.span)
 
-            attr_vals["seed"] = site_seed(m.name.id, target0)
-        for p in prm + states:
+    def weights(self, op: A.OpDef, prm_states, target0: str, dims: dict[str, Any], bind: dict[str, str]) -> None:
+        """Create the line's parameter and state buffers (`h1.w`, `bn.mean`) and bind them."""
+        for p in prm_states:
             # Parameters are trained; state (running statistics, RNG offsets) is created per use
             # the same way, checkpointed, and never differentiated.
             if p.type is None:
                 self.fail("S015", f"`{p.name.id}` of op `{op.name}` needs a type", p.span)
-            shape, dtype = type_shape(sink, p.type, dims)
+            shape, dtype = type_shape(self.sink, p.type, dims)
             init = "glorot" if p.modifier == "param" else "zeros"
             if isinstance(p.default, A.Var):
                 init = p.default.name.id
                 if init not in INITS:
                     self.fail("S015", f"unknown init `{init}`", p.default.span, help=f"inits: {', '.join(INITS)}")
             bname = f"{target0}.{p.name.id}"
-            buffers.add(bname, shape, dtype, "param" if p.modifier == "param" else "state", p.span, init=init)
+            self.buffers.add(bname, shape, dtype, "param" if p.modifier == "param" else "state", p.span, init=init)
             if p.modifier == "param":
                 self.params.append(bname)
             bind[p.name.id] = bname
+
+    def results(self, st: A.OpUse, op: A.OpDef, ins, dims: dict[str, Any], bind: dict[str, str]) -> str | None:
+        """Bind the op's outputs to the line's targets (new model values, their buffers created
+        where the output is typed) and the outputs past them to buffers kept for the backward;
+        return the buffer the line's `into V` names (None without one)."""
+        m, values, buffers = self.m, self.values, self.buffers
+        target0 = st.targets[0].id
         if not 1 <= len(st.targets) <= len(op.outs):
             self.fail("S005", f"op `{op.name}` produces {len(op.outs)} value(s); {len(st.targets)} target(s) given",
                       st.span)
@@ -261,27 +296,11 @@ class _ModelExpander:
             bname = t.id + (sfx if slotted else "")
             bind[o.name.id] = bname
             if o.type is not None:
-                shape, dtype = type_shape(sink, o.type, dims)
+                shape, dtype = type_shape(self.sink, o.type, dims)
                 for n in buffers.slotted(bname):
                     buffers.add(n, shape, dtype, "act", t.span)
             values[t.id] = bname
-        attr_vals = {**dims, **attr_vals}  # dimension variables are constants in the body too
-        label = f"{op.name}@{target0}"
-        on = self.streams.stream(st.clauses.on, False) if st.clauses.on is not None else None
-        first = len(fwd)
-        cx = self.lower.expand_op(op, bind, attr_vals, fwd, op_id=op_id, prefix=target0, label=label,
-                                  call_span=st.span, on=on)
-        inner_env = {k: v for k, v in cx.env.items() if k not in bind}
-        if into is not None:
-            buffers.alias_into([bind[o.name.id] for o in op.outs[:len(st.targets)]], into, st.span)
-            # The call's last task writing a result carries the clause (a fix drops it there).
-            for i in reversed(range(first, len(fwd))):
-                if set(fwd[i].outs) & {bind[o.name.id] for o in op.outs[:len(st.targets)]}:
-                    site = fwd[i].site or Site()
-                    fwd[i] = replace(fwd[i], site=replace(site, into_span=st.clauses.into_span))
-                    break
-        return ForwardCall(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
-                           tuple(o.name.id for o in op.outs), st.span, label, inner_env, dict(cx.nested))
+        return into
 
     def eval_form(self, c: ForwardCall, trained: list[TaskTemplate]) -> None:
         """Append the evaluation form of one forward call: `NAME.eval` bound by name (as a
@@ -305,3 +324,17 @@ class _ModelExpander:
         value = c.label.split('@')[-1]
         self.lower.expand_op(eop, bind, c.attrs, self.evals, op_id=-1, prefix=f"{value}.eval",
                              label=f"{eop.name}@{value}", call_span=c.span)
+
+
+def _free_dims(op: A.OpDef, ins, prm_states) -> list[str]:
+    """An op's free dimensions: named in its parameter, state or output types but in no input
+    type, so the model line gives them (`linear(x, 5)`), in order of first appearance."""
+    in_dims = {d.name.id for p in ins if p.type for d in (p.type.dims or ()) if isinstance(d, A.Var)}
+    free: list[str] = []
+    for t in [p.type for p in prm_states] + [o.type for o in op.outs]:
+        if t is None:
+            continue
+        for d in t.dims or ():
+            if isinstance(d, A.Var) and d.name.id not in in_dims and d.name.id not in free:
+                free.append(d.name.id)
+    return free

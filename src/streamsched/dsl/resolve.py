@@ -14,14 +14,14 @@ from dataclasses import replace
 
 from streamsched.diagnostics import SourceCache, StreamschedError
 from streamsched.dsl.backward import SEED, derive_backward, grad_name
-from streamsched.dsl.graphs import copies_inputs, expand_graphs, assign_slots
+from streamsched.dsl.graphs import assign_slots, copies_inputs, expand_graphs
 from streamsched.dsl.kernels import compile_kernel_defs
 from streamsched.dsl.load import load_program_files
 from streamsched.dsl.lower import Lowerer
 from streamsched.dsl.model import expand_model
 from streamsched.dsl.names import Streams, check_ops, check_places, collect
 from streamsched.dsl.program import CallValue, Program
-from streamsched.dsl.scope import Buffers, Scope, _Abort, _stdlib_kernels
+from streamsched.dsl.scope import Buffers, Scope, _Abort, stdlib_kernels
 from streamsched.dsl.states import declare_states, plan_uploads
 from streamsched.dsl.step import check_model_runs, resolve_step, settle_policy, train_settings, trained_model
 from streamsched.dsl.types import is_dtype_var
@@ -35,9 +35,8 @@ def resolve(path: str, text: str | None = None, *, policy: str | None = None, ca
 
     policy/capture override the file's settings (the command line wins); kernels: name -> Kernel
     records of `--kernels` modules (`streamsched.kernel_api.load_kernel_modules`), added to this
-    program's table only.  Raises
-    StreamschedError carrying every diagnostic found (P, S and C families), sorted later by the
-    renderer.
+    program's table only.  Raises StreamschedError carrying every diagnostic found (P, S and C
+    families), sorted later by the renderer.
     """
     sources = sources if sources is not None else SourceCache()
     files, diags = load_program_files(path, text, sources)
@@ -59,7 +58,7 @@ def run_passes(scope: Scope, path: str, policy: str | None, capture: str | None)
     # Names and scopes: every item by name, the file's kernels, op bodies and placements where
     # they are written (used or not).
     collect(scope)
-    scope.kernels.update(compile_kernel_defs(scope, list(scope.kernel_defs.values()), _stdlib_kernels(),
+    scope.kernels.update(compile_kernel_defs(scope, list(scope.kernel_defs.values()), stdlib_kernels(),
                                              scope.kernel_origins))
     check_ops(scope, streams)
     check_places(scope, streams)

@@ -42,7 +42,9 @@ class Sink:
         raise _Abort()
 
 
-def _stdlib_kernels():
+def stdlib_kernels() -> dict[str, Any]:
+    """The stdlib's kernel table, imported when a run starts (importing the front end loads no
+    kernel family)."""
     from streamsched.stdlib.kernels import KERNELS
 
     return KERNELS
@@ -59,7 +61,7 @@ class Scope:
         self.sink = Sink()
         # This program's kernels: the stdlib's, the `--kernels` modules' and the file's `kernel`
         # forms (and the gradient kernels derived from them), never shared with another file.
-        self.kernels: dict[str, Any] = {**_stdlib_kernels(), **dict(kernels or {})}
+        self.kernels: dict[str, Any] = {**stdlib_kernels(), **dict(kernels or {})}
         self.kernel_origins: dict[str, str] = dict(getattr(kernels, "origins", {}) or {})
         self.kernel_defs: dict[str, A.KernelDef] = {}
         self.kernel_sources: dict[str, Any] = {}  # user kernel -> dsl.kernels.KernelSource
