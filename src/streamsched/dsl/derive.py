@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from streamsched.diagnostics import Label
 from streamsched.dsl import ast as A
+from streamsched.dsl.lower import as_call
+from streamsched.dsl.scope import Buffers, Scope
+from streamsched.dsl.types import const
 from streamsched.interp.ir import Span
 from streamsched.stdlib.kernel_record import GradArgs, KCall, NotDifferentiable
 
@@ -31,43 +34,38 @@ class _Node:
     span: Span | None
 
 
-def derived_place_ok(res, target: str) -> bool:
-    """`place NAME.backward on S` / `place NAME.backward.dX on S` for an op without a written
-    backward (derived later, when a model trains through it): dX names an input or parameter."""
-    head, _, last = target.rpartition(".")
-    if target.endswith(".backward") and target[:-9] in res.ops:
-        return True
-    if head.endswith(".backward") and head[:-9] in res.ops and head not in res.ops and last.startswith("d"):
-        op = res.ops[head[:-9]]
-        return last[1:] in {p.name.id for p in op.params}
-    return False
-
-
-def derive_op_backward(res, model, c, want: set[str], flowing: set[str]) -> tuple[A.OpDef, dict[str, str]]:
-    """The synthesized `NAME.backward` of the forward call `c` (resolve._Call) and the bindings
-    of the forward values it reads (body statements' results and nested calls' temporaries).
+def derive_op_backward(scope: Scope, buffers: Buffers, model: A.ModelDef, c, want: set[str],
+                       flowing: set[str]) -> tuple[A.OpDef, dict[str, str]]:
+    """The synthesized `NAME.backward` of the forward call `c` (a model.ForwardCall of `model`)
+    and the bindings of the forward values it reads (body statements' results and nested calls'
+    temporaries); registers it in scope.derived_ops and the gradient kernels it defines in
+    scope.kernels.
 
     want: c's inputs and parameters whose gradients are needed; flowing: c's outputs a gradient
-    reaches.  Fails (res.fail: S012, S029) when a launch's kernel has no recipe or cannot give a
-    wanted gradient."""
+    reaches.  Fails (scope.sink.fail: S012, S029) when a launch's kernel has no recipe or cannot
+    give a wanted gradient."""
     op = c.op
-    d = _Deriver(res, model, c)
+    fail = scope.sink.fail
+    d = _Deriver(scope, buffers, model, c)
     # A state input updated in place (dropout's RNG offset) is never differentiated; an input that
     # carries a gradient and is overwritten has two values under one name.
     moving = {p.name.id for p in op.params if p.modifier != "state"}
     for st in op.body:
         for t in st.targets:
             if t.id in moving:
-                res.fail("S012", f"op `{op.name}` has no backward, and none is derived for it: `{t.id}` is written in "
-                         f"place", c.span, labels=[Label(st.span, "here")],
-                         help=f"define `op {op.name}.backward(...)`")
+                fail("S012", f"op `{op.name}` has no backward, and none is derived for it: `{t.id}` is written in "
+                     f"place", c.span, labels=[Label(st.span, "here")],
+                     help=f"define `op {op.name}.backward(...)`")
         d.statement(st)
     return d.backward(want, flowing)
 
 
 class _Deriver:
-    def __init__(self, res, model, c):
-        self.res, self.model, self.c = res, model, c
+    """Reverse mode over one forward call's body: its launches (`statement`), then their
+    gradients in reverse (`backward`), as the statements of a synthesized op."""
+
+    def __init__(self, scope: Scope, buffers: Buffers, model: A.ModelDef, c):
+        self.scope, self.buffers, self.model, self.c = scope, buffers, model, c
         self.nodes: list[_Node] = []
         self.bufs: dict[str, str] = {}  # forward value name -> buffer
         self.extra: dict[str, str] = {}  # names the backward reads that c.bind does not hold
@@ -96,11 +94,11 @@ class _Deriver:
         self.launch(st.expr, outs, st)
 
     def launch(self, e: A.Expr, outs: list[str], st: A.KernelStmt) -> None:
-        res = self.res
+        scope = self.scope
         if isinstance(e, A.Var):
             e = A.Call(A.Name("copy", e.span), (e,), (), e.span)
-        call = e if isinstance(e, A.Call) else res.binop_call(e)
-        k = res.kernels[call.func.id]
+        call = e if isinstance(e, A.Call) else as_call(scope.sink, e)
+        k = scope.kernels[call.func.id]
         attrs: dict = {}
         args = []
         for i, a in enumerate(call.args):
@@ -109,7 +107,7 @@ class _Deriver:
                 a = a.operand
             args.append(self.value(a, st))
         for kw in call.kwargs:
-            attrs[kw.name.id] = res.const(kw.value, self.c.attrs)
+            attrs[kw.name.id] = const(scope.sink, kw.value, self.c.attrs)
         self.nodes.append(_Node(k.name, args, {**k.attrs, **attrs}, outs, st, call.span))
 
     def value(self, a: A.Expr, st: A.KernelStmt) -> str:
@@ -127,12 +125,12 @@ class _Deriver:
         out = {}
         for n in names:
             if n is not None and n in self.bufs:
-                out[n] = self.res.btype(self.bufs[n])
+                out[n] = self.buffers.btype(self.bufs[n])
         return out
 
     # ---- reverse mode
     def backward(self, want: set[str], flowing: set[str]) -> tuple[A.OpDef, dict[str, str]]:
-        res, c, op = self.res, self.c, self.c.op
+        scope, c, op = self.scope, self.c, self.c.op
         dep = {x: True for x in want}
         for nd in self.nodes:
             if any(dep.get(a) for a in nd.args):
@@ -152,16 +150,17 @@ class _Deriver:
             douts = tuple(self.total(o, grads, nd.stmt) for o in nd.outs)
             if all(x is None for x in douts):
                 continue
-            k = res.kernels[nd.kernel]
+            k = scope.kernels[nd.kernel]
             if k.grad is None:
-                res.fail("S012", f"op `{op.name}` has no backward, and none can be derived: kernel `{nd.kernel}` "
-                         f"has no gradient recipe", c.span, labels=[Label(nd.span, f"`{nd.kernel}` here")],
-                         help=f"define `op {op.name}.backward(...)` (docs/language.md, \"Ops\")")
+                scope.sink.fail("S012", f"op `{op.name}` has no backward, and none can be derived: kernel "
+                                f"`{nd.kernel}` has no gradient recipe", c.span,
+                                labels=[Label(nd.span, f"`{nd.kernel}` here")],
+                                help=f"define `op {op.name}.backward(...)` (docs/language.md, \"Ops\")")
             types = self.types(list(nd.args) + list(nd.outs))
             for o, g in zip(nd.outs, douts):
                 if g is not None:
                     types[g] = types[o]
-            table = res.kernels
+            table = scope.kernels
             g = GradArgs(nd.kernel, tuple(nd.args), tuple(nd.outs), douts, need, dict(nd.attrs), types,
                          define=lambda rec: table.setdefault(rec.name, rec), kernels=table)
             try:
@@ -186,7 +185,7 @@ class _Deriver:
         params = [A.OpParam(None, A.Name(n)) for n in sorted(read - produced)]
         bop = A.OpDef(f"{op.name}.backward", op.name_span, tuple(params), tuple(outs), op.stream,
                       tuple(self.stmts), op.span)
-        res.derived_ops.add(bop.name)
+        scope.derived_ops.add(bop.name)
         return bop, dict(self.extra)
 
     def total(self, v: str, grads: dict, stmt, final: str | None = None) -> str | None:
@@ -223,16 +222,17 @@ class _Deriver:
         self.stmts.append(A.KernelStmt((A.Name(target, span),), _ast(expr, span), clauses, span))
 
     def not_differentiable(self, exc: NotDifferentiable, nd: _Node) -> None:
-        res, c = self.res, self.c
-        src = res.kernel_sources.get(nd.kernel)
+        c = self.c
+        src = self.scope.kernel_sources.get(nd.kernel)
         at = src.constructs.get(exc.construct) if src is not None and exc.construct else None
         labels = [Label(c.span, f"model `{self.model.name.id}` is trained through it here")]
         if at is None:
             at = nd.span
         else:
             labels.append(Label(nd.span, f"`{nd.kernel}` used here"))
-        res.fail("S029", f"no gradient through kernel `{nd.kernel}`: {exc.message}", at, labels=labels,
-                 help=f"write `op {c.op.name}.backward(...)` by hand, or train no parameter through `{c.op.name}`")
+        self.scope.sink.fail("S029", f"no gradient through kernel `{nd.kernel}`: {exc.message}", at, labels=labels,
+                             help=f"write `op {c.op.name}.backward(...)` by hand, or train no parameter through "
+                                  f"`{c.op.name}`")
 
 
 def _ast(e, span) -> A.Expr:

@@ -13,9 +13,10 @@ from typing import Any, Mapping
 
 from streamsched.diagnostics import Label
 from streamsched.dsl import ast as A
+from streamsched.dsl.scope import Scope, _Abort
+from streamsched.dsl.types import FLOAT_DTYPES, const, is_dtype_var
 from streamsched.interp.ir import DTYPE_BYTES, Span
 
-FLOAT_DTYPES = ("f16", "bf16", "f32", "f64")
 FUNCTION_NAMES = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sigmoid", "softplus", "erf", "sin",
                   "cos", "abs", "sign", "floor", "ceil", "max", "min", "pow", "where")
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -35,14 +36,11 @@ class KernelSource:
     constructs: dict[str, Span | None] = field(default_factory=dict)
 
 
-def _is_dtype_var(name: str) -> bool:
-    return len(name) == 1 and "A" <= name <= "Z"
-
-
-def compile_kernel_defs(res, defs: list[A.KernelDef], builtin: Mapping[str, Any], extra: Mapping[str, str]) -> dict:
+def compile_kernel_defs(scope: Scope, defs: list[A.KernelDef], builtin: Mapping[str, Any],
+                        extra: Mapping[str, str]) -> dict:
     """Kernel records of the user's `kernel` forms, by name (definitions with mistakes are left
-    out, their diagnostics recorded on `res`).  builtin: the stdlib table; extra: kernel name ->
-    the `--kernels` module that registered it.  Fills `res.kernel_sources`."""
+    out, their diagnostics recorded in `scope.sink`).  builtin: the stdlib table; extra: kernel
+    name -> the `--kernels` module that registered it.  Fills `scope.kernel_sources`."""
     if not defs:
         return {}
     from streamsched.stdlib import kernel_lang as L
@@ -51,28 +49,28 @@ def compile_kernel_defs(res, defs: list[A.KernelDef], builtin: Mapping[str, Any]
     for kd in defs:
         name = kd.name.id
         if name in builtin and name not in extra:
-            res.err("S028", f"kernel `{name}` is already a stdlib kernel", kd.name.span,
-                    help=f"give yours another name (`my_{name}`); an op may keep the name `{name}`, kernels and "
-                         "ops are named apart")
+            scope.sink.err("S028", f"kernel `{name}` is already a stdlib kernel", kd.name.span,
+                           help=f"give yours another name (`my_{name}`); an op may keep the name `{name}`, kernels "
+                                "and ops are named apart")
             continue
         if name in extra:
-            res.err("S028", f"kernel `{name}` is already defined by the kernel module `{extra[name]}`",
-                    kd.name.span, help="give one of the two another name")
+            scope.sink.err("S028", f"kernel `{name}` is already defined by the kernel module `{extra[name]}`",
+                           kd.name.span, help="give one of the two another name")
             continue
         try:
-            spec, src = _KernelCompiler(res, kd, L).run()
+            spec, src = _KernelCompiler(scope, kd, L).run()
         except _Stop:
             continue
         out[name] = L.compiled(spec).record
-        res.kernel_sources[name] = src
+        scope.kernel_sources[name] = src
     return out
 
 
 class _KernelCompiler:
     """One `kernel` definition to an ExprSpec."""
 
-    def __init__(self, res, kd: A.KernelDef, L):
-        self.res, self.kd, self.L = res, kd, L
+    def __init__(self, scope: Scope, kd: A.KernelDef, L):
+        self.scope, self.kd, self.L = scope, kd, L
         self.sp = L.sp
         self.name = kd.name.id
         self.src = KernelSource(kd)
@@ -84,7 +82,7 @@ class _KernelCompiler:
         self.reading: list[set[int]] = []  # the inputs each open reduction reads, as written
 
     def fail(self, code: str, msg: str, span: Span | None, help: str = "", labels=()) -> None:
-        self.res.err(code, msg, span, help=help, labels=labels)
+        self.scope.sink.err(code, msg, span, help=help, labels=labels)
         raise _Stop()
 
     # ---- signature
@@ -106,7 +104,7 @@ class _KernelCompiler:
                 self.kinds[n] = "input"
                 params.append(L.Param(n, dt, dims))
             else:
-                v = self.res_const(prm.default)
+                v = self.const_value(prm.default)
                 if isinstance(v, bool):
                     v = float(v)
                 if not isinstance(v, (int, float)):
@@ -130,7 +128,7 @@ class _KernelCompiler:
                 dt = self.dtype(o.type, inputs=False)
             else:
                 dims = None
-                float_ins = {p.dtype for p in params if _is_dtype_var(p.dtype) or p.dtype in FLOAT_DTYPES}
+                float_ins = {p.dtype for p in params if is_dtype_var(p.dtype) or p.dtype in FLOAT_DTYPES}
                 if len(float_ins) != 1:
                     self.fail("S004", f"output `{n}` of kernel `{self.name}` needs a type: its inputs have "
                               + ("no float dtype" if not float_ins else f"several dtypes ({', '.join(sorted(float_ins))})"),
@@ -205,17 +203,15 @@ class _KernelCompiler:
             names[L.S] = sp.Symbol(f"{reduction.kind}({reduction.map.xreplace(names)}{axis})")
         return "; ".join(f"{o.name} = {e.xreplace(names)}" for o, e in zip(outs, exprs))
 
-    def res_const(self, e: A.Expr):
-        from streamsched.dsl.resolve import _Abort
-
+    def const_value(self, e: A.Expr):
         try:
-            return self.res.const(e, {})
+            return const(self.scope.sink, e, {})
         except _Abort:
             raise _Stop() from None
 
     def dtype(self, t: A.TypeExpr, inputs: bool) -> str:
         d = t.dtype.id
-        if _is_dtype_var(d):
+        if is_dtype_var(d):
             if not inputs and d not in self.in_dtypes:
                 self.fail("S004", f"the dtype variable `{d}` is not bound by any input of kernel `{self.name}`",
                           t.dtype.span, help="a dtype variable takes the dtype of the inputs it is written on")
@@ -299,9 +295,9 @@ class _KernelCompiler:
         if f in ("sum", "mean") or (f in ("max", "min") and (e.kwargs or len(e.args) == 1)):
             return self.reduction(e, in_reduction)
         if f not in L.FUNCTIONS:
-            kernels = getattr(self.res, "kernels", {})
+            kernels = getattr(self.scope, "kernels", {})
             guess = difflib.get_close_matches(f, list(FUNCTION_NAMES) + list(REDUCTIONS), n=1)
-            if f in kernels or f in getattr(self.res, "kernel_defs_by_name", {}):
+            if f in kernels or f in getattr(self.scope, "kernel_defs_by_name", {}):
                 why = f"`{f}` is a kernel: kernels are launched from op bodies, a kernel body calls functions"
             else:
                 why = f"unknown function `{f}` in kernel `{self.name}`"
@@ -332,7 +328,7 @@ class _KernelCompiler:
             if kw.name.id != "axis":
                 self.fail("S015", f"`{f}` has no attribute `{kw.name.id}`", kw.name.span,
                           help=f"`{f}(EXPR, axis = N)`; without `axis` it reduces every axis")
-            v = self.res_const(kw.value)
+            v = self.const_value(kw.value)
             if isinstance(v, bool) or not isinstance(v, int):
                 self.fail("S015", f"`axis` of `{f}` must be an integer", kw.value.span)
             axis = v
@@ -380,15 +376,15 @@ class _KernelCompiler:
                       f"{want}-D", od.type.span)
 
 
-def kernel_as_op_help(res, name: str) -> str:
+def kernel_as_op_help(scope: Scope, name: str) -> str:
     """The help for a model or graph line that calls a kernel of this program (not an op): the
     op that launches it, written out ("" when `name` is no such kernel)."""
     from streamsched.stdlib.kernels import KERNELS
 
-    k = res.kernels.get(name)
-    if k is None or (name in KERNELS and name not in res.kernel_defs):
+    k = scope.kernels.get(name)
+    if k is None or (name in KERNELS and name not in scope.kernel_defs):
         return ""
-    compute = [s for s, (role, _) in res.streams.items() if role == "compute"] or list(res.streams)
+    compute = [s for s, (role, _) in scope.streams.items() if role == "compute"] or list(scope.streams)
     if not compute:
         return ""
     ins = ", ".join(k.inputs)

@@ -82,6 +82,16 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class CallValue:
+    """A call written as a value in the `train` block: `digits(test = 0.2)`, `cosine(0.1)`."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    span: Span | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the training loop needs to know of the trained model.
 
@@ -105,10 +115,11 @@ class ModelInfo:
 class Program:
     """The resolved program.  buffers: every buffer (slotted ones once per slot, named `x[a]`);
     inits: buffer -> init spec ("zeros" | "ones" | "glorot" | "normal" ...); train: the `train`
-    block's evaluated items plus their spans; host_values: the host scalars uploaded each step;
-    loss_scale: the device scalar seeding the backward (`backward M * S`), "" when unscaled;
-    kernels: kernel name -> Kernel record of this program (the stdlib's, `--kernels` modules', the
-    file's `kernel` forms and their gradient kernels): what the backends run tasks with."""
+    block's evaluated items (numbers, strings, names, CallValue) plus their spans; host_values:
+    the host scalars uploaded each step; loss_scale: the device scalar seeding the backward
+    (`backward M * S`), "" when unscaled; kernels: kernel name -> Kernel record of this program
+    (the stdlib's, `--kernels` modules', the file's `kernel` forms and their gradient kernels):
+    what the backends run tasks with."""
 
     path: str
     streams: tuple[tuple[str, str], ...]
