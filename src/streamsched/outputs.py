@@ -99,7 +99,7 @@ class Output:
     origin: str
     span: Span | None
     exists: bool
-    ident: tuple[int, int] | None = None
+    ident: tuple[int, int, int, int] | None = None
 
     @property
     def named(self) -> str:
@@ -180,7 +180,7 @@ def is_reserved_name(name: str) -> bool:
 
 def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | None = None,
                  inputs: Iterable[tuple[str, str]] = (), append: bool = False,
-                 replaceable: Iterable[str] = (), overwrite: bool = False) -> Output:
+                 replaceable: Iterable[str] = (), overwrite: bool = False, fits=None) -> Output:
     """Refuse, before any work, an output that cannot be written or must not be (the module
     docstring's policy): a folder, a FIFO, a device, a socket or a symbolic link; a path ending
     in `/`; a reserved name; a file in a folder that does not exist or cannot be written; an
@@ -192,8 +192,9 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
     continues a checkpoint in place); their content is checked by the reader of that input,
     which reports a broken one precisely (X007), before anything is written.
     overwrite: a checkpoint may replace a checkpoint streamsched wrote that this run does not
-    continue (`--overwrite`).  append: the file grows in place (a log), else it is replaced
-    through a temporary file in its folder.
+    continue (`--overwrite`); fits: for a checkpoint, meta -> whether its arrays fit this run's
+    program (then the refusal suggests `--resume` it; else it names it another model's).  append:
+    the file grows in place (a log), else it is replaced through a temporary file in its folder.
     Returns the Output; raises StreamschedError X021 (X004 for a path that is not a non-empty
     string)."""
     flag = origin or "`log`"
@@ -215,7 +216,7 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
         if stripped and os.path.basename(stripped) not in (".", ".."):
             try:
                 check_output(stripped, kind, noun=noun, origin=origin, span=span, inputs=inputs, append=append,
-                             replaceable=replaceable, overwrite=overwrite)
+                             replaceable=replaceable, overwrite=overwrite, fits=fits)
                 fix = f"drop the trailing `/` to write the file `{stripped}`"
             except StreamschedError:
                 pass
@@ -233,7 +234,7 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
         target = os.path.realpath(full)
         try:  # suggest the target only where it could be written in the link's place
             check_output(target, kind, noun=noun, origin=origin, span=span, inputs=inputs, append=append,
-                         replaceable=replaceable, overwrite=overwrite)
+                         replaceable=replaceable, overwrite=overwrite, fits=fits)
             fix = f"name the file itself (`{target}`) or a new file"
         except StreamschedError:
             fix = "name a new file"
@@ -262,16 +263,20 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
     if st is not None and st.st_size > 0 and not continued:
         ok, what = kind_of(full, kind)
         if not ok:
-            raise fail(f"it is {what}, not {_KIND_NOUN[kind]}",
+            raise fail(f"it is {what}" + ("" if "did not write" in what else f", not {_KIND_NOUN[kind]}"),
                        f"{_KIND_RULE[kind]}; name a new file (or move this one away)")
         if kind == "checkpoint" and not overwrite:
             busy = OutputLock(out, {}).holder_now()
             if busy is not None:  # a live run writes it: that is the news (X009), not its kind
                 raise busy
-            raise fail(f"it holds {what}, which this run does not continue; a new run never replaces trained "
-                       "weights without being told to",
-                       f"continue it with `--resume {path}`, name a new file, or replace it on purpose with "
-                       "`--overwrite`")
+            from streamsched.interp.checkpoint import checkpoint_meta
+
+            meta = checkpoint_meta(full) or {}
+            same = fits is None or bool(fits(meta))
+            why = "which this run does not continue" if same else "whose arrays do not fit this program (another model)"
+            cont = f"continue it with `--resume {path}`, " if same else ""
+            raise fail(f"it holds {what}, {why}; a new run never replaces trained weights without being told to",
+                       f"{cont}name a new file, or replace it on purpose with `--overwrite`")
     if st is not None:
         if not st.st_mode & 0o222 or not os.access(full, os.W_OK):
             verb = "append to" if append else "replace"
@@ -279,8 +284,7 @@ def check_output(path, kind: str, *, noun: str, origin: str = "", span: Span | N
                        "the file is not writable by you",
                        f"streamsched does not {verb} a file you protected; make it writable (`chmod u+w {path}`) or "
                        "name another file")
-    return Output(path, full, kind, noun, origin, span, st is not None,
-                  (st.st_dev, st.st_ino) if st is not None else None)
+    return Output(path, full, kind, noun, origin, span, st is not None, file_stamp(st) if st is not None else None)
 
 
 def _path_max(folder: str) -> int:
@@ -514,12 +518,20 @@ def remove_stale_temps(full: str) -> list[str]:
     return gone
 
 
-def check_unchanged(out: Output, expect: tuple[int, int] | None) -> bool:
-    """Before a run writes `out` again (each epoch): the path must still name the file `expect`
-    ((st_dev, st_ino): the one the run wrote last, or the one it was allowed to replace at the
-    start), or nothing.  Returns True when it does, False when the file is gone (deleted or
-    moved: writing it anew loses nothing).  Raises StreamschedError X021 when something else is
-    there now (a user's file moved onto it): it is never replaced or appended to."""
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one state of a file from another: (st_dev, st_ino, st_size, st_mtime_ns).  A
+    file copied over another in place (`cp mine ck.npz`) keeps the inode, not the size and time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(out: Output, expect: tuple | None, ours=None, help: str = "move that file away, then run "
+                    "again") -> bool:
+    """Before a run writes `out` again (each epoch): the path must still name the file as the
+    run left it, `expect` (file_stamp: the file it wrote last, or the one it was allowed to
+    replace at the start), or a file `ours(path)` recognises as the run's own (a checkpoint of
+    this run, copied back), or nothing.  Returns True when it does, False when the file is gone
+    (deleted or moved: writing it anew loses nothing).  Raises StreamschedError X021 when
+    something else is there now (a user's file moved or copied onto it: it is never replaced)."""
     try:
         st = os.lstat(out.full)
     except FileNotFoundError:
@@ -527,18 +539,22 @@ def check_unchanged(out: Output, expect: tuple[int, int] | None) -> bool:
     except OSError as e:
         raise _x("X021", f"cannot write {out.named}: {e.strerror or e}", out.span,
                  help="name a file in an existing folder you can write to") from None
-    if stat.S_ISREG(st.st_mode) and expect is not None and (st.st_dev, st.st_ino) == expect:
-        return True
+    if stat.S_ISREG(st.st_mode) and st.st_mode & 0o222:
+        if expect is not None and file_stamp(st) == tuple(expect):
+            return True
+        if ours is not None and ours(out.full):
+            return True
     if stat.S_ISREG(st.st_mode):
         try:
             what = _describe(read_head(out.full, 4096)) if st.st_size else "an empty file"
         except ReadError:
             what = "a file"
+        if not st.st_mode & 0o222:
+            what += " made read-only"
     else:
         what = file_kind(st.st_mode)
-    raise _x("X021", f"cannot write {out.named}: another file was put there during the run ({what}, "
-             "not the one this run wrote); it is left as it is", out.span,
-             help="move that file away and resume, or resume with another file")
+    raise _x("X021", f"cannot write {out.named}: it changed during the run (it is now {what}, not the file this "
+             "run wrote); it is left as it is and the run stops", out.span, help=help)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,9 +806,12 @@ def open_log(out: Output):
     (a FIFO put there since the check is refused), and only a regular file.  A last line that a
     killed run left unfinished is ended first, so the next record starts on its own line.
     Raises StreamschedError X021."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O
+    flags = os.O_APPEND | os.O_CREAT | _O
     try:
-        fd = os.open(out.full, flags, 0o644)
+        try:  # readable too, so the run can tell its log from a file copied over it (train.log_is_ours)
+            fd = os.open(out.full, os.O_RDWR | flags, 0o644)
+        except PermissionError:
+            fd = os.open(out.full, os.O_WRONLY | flags, 0o644)
     except OSError as e:
         raise _x("X021", f"cannot write {out.named}: {e.strerror or e}", out.span,
                  help="name a regular file in a folder you can write to") from None

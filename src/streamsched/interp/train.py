@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -30,8 +31,8 @@ from streamsched.interp.ir import Task
 from streamsched.interp.lr import F32_MAX, make_schedule
 from streamsched.interp.resume import (Resumed, changes, load_for_resume, load_weights, lr_meta, resume_command,
                                        schedule_from_meta)
-from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, check_unchanged, holder_info,
-                                 new_run_id, open_log, remove_stale_temps, same_file)
+from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, check_unchanged, file_stamp,
+                                 holder_info, new_run_id, open_log, remove_stale_temps, same_file)
 from streamsched.pipeline import Compiled
 from streamsched.stdlib.kernels import KERNELS, numpy_dtype
 
@@ -365,6 +366,12 @@ def _checkpoint_layout(program) -> dict[str, tuple[tuple[int, ...], np.dtype | N
     return out
 
 
+def _layout_json(program) -> dict:
+    """The checkpoint's `layout` field for `program`: {name: [shape, dtype name]} (bf16 by name)."""
+    return {n: [list(shape), np.dtype(dt).name if dt is not None else "bf16"]
+            for n, (shape, dt) in _checkpoint_layout(program).items()}
+
+
 def make_runner(compiled: Compiled, opts: TrainOptions):
     """`--backend auto` picks CUDA when CuPy and a device are present, else the CPU with a notice;
     `--backend cuda` without a GPU is an X020 diagnostic; arenas too large to allocate are X013."""
@@ -693,8 +700,10 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
     data_base = setting_dir(spans.get("data"), base_dir)
     inputs = _run_inputs(program, opts, data, data_base)
+    layout = _layout_json(program)
     save = check_output(opts.save, "checkpoint", noun="the checkpoint", origin="--save", inputs=inputs,
-                        replaceable=(opts.resume,), overwrite=opts.overwrite) if opts.save is not None else None
+                        replaceable=(opts.resume,), overwrite=opts.overwrite,
+                        fits=lambda meta: meta.get("layout", layout) == layout) if opts.save is not None else None
     log = _log_output(tv, spans, opts.log, base_dir, inputs)
     check_distinct([save, log])
     run_id = new_run_id()
@@ -1086,6 +1095,9 @@ class _Run:
         fd = self.log_f.fileno()
         st = os.fstat(fd)
         self.log_ident = (st.st_dev, st.st_ino)
+        self.log_head = b""
+        self.log_f.flush()  # (a newline that ends a killed run's last line)
+        self.log_seen()
         if self.log_lock is not None and self.log_lock.file_ident != self.log_ident:
             if self.log_lock.file_fd is not None:  # the file the lock held is not the one opened
                 os.close(self.log_lock.file_fd)
@@ -1099,7 +1111,7 @@ class _Run:
         if self.log_f is None:
             return
         try:
-            if not check_unchanged(self.log, self.log_ident):
+            if not self.log_is_ours():
                 self.log_f.close()
                 self.log_f = None
                 self.open_log()
@@ -1107,11 +1119,49 @@ class _Run:
                           f"holds the records from epoch {rec['epoch']} on")
             self.log_f.write(json.dumps(rec) + "\n")
             self.log_f.flush()
+            self.log_seen()
         except StreamschedError as e:
-            raise StreamschedError([_with_help(d, self.kept()) for d in e.diagnostics]) from None
+            kept = self.kept()
+            raise StreamschedError([_with_help(d, kept.replace("; the checkpoint", ", then resume: the checkpoint", 1))
+                                    for d in e.diagnostics]) from None
         except OSError as exc:
             raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
                      help="the lines written before are kept; free space or name another file" + self.kept()) from None
+
+    def log_seen(self) -> None:
+        """Note the log as this run left it: its size and its first bytes (log_is_ours)."""
+        fd = self.log_f.fileno()
+        self.log_size = os.fstat(fd).st_size
+        if len(getattr(self, "log_head", b"")) < 256:
+            try:
+                self.log_head = os.pread(fd, 256, 0)
+            except OSError:  # a log this user may write but not read: its size and inode only
+                self.log_head = b""
+
+    def log_is_ours(self) -> bool:
+        """Whether the log path still names the file this run appends to, as it left it (the same
+        inode, not shorter, the same first bytes: another file copied over it in place is not);
+        False when it is gone (deleted or moved: made anew).  Raises StreamschedError X021 when
+        another file is there."""
+        fd = self.log_f.fileno()
+        st = os.fstat(fd)
+        head = getattr(self, "log_head", b"")
+        expect = (st.st_dev, st.st_ino)
+        try:
+            now = os.lstat(self.log.full)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            now = None
+        same = now is not None and (now.st_dev, now.st_ino) == expect and stat.S_ISREG(now.st_mode)
+        if same and st.st_size >= getattr(self, "log_size", 0):
+            try:
+                if os.pread(fd, len(head), 0) == head:
+                    return True
+            except OSError:
+                return True
+        # another file is there, or this one was rewritten: never appended to
+        return check_unchanged(self.log, None, help="move that file away")  # X021 naming it (False: gone now)
 
     def kept(self) -> str:
         """`; the checkpoint `ck.npz` holds epoch 3: resume with `...`` for a run that stops on an
@@ -1129,28 +1179,30 @@ class _Run:
         program, m = self.program, self.m
         if arrays is None:
             arrays = {n: self.runner.read(n) for n in self.saved}
-        layout = {n: [list(shape), np.dtype(dt).name if dt is not None else "bf16"]
-                  for n, (shape, dt) in _checkpoint_layout(program).items()}
+        layout = _layout_json(program)
         meta = {"run": self.run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": m.name,
                 "program": program.text_hash, "data": self.ds.name, "seed": self.seed, "epoch": epoch,
                 "epochs": self.epochs, "step": step, "steps_per_epoch": self.spe,
                 "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout,
                 "history": [_json_safe(r) for r in self.result.history]}
+        from streamsched.interp.checkpoint import checkpoint_meta
+
+        held = self.saved_epoch or (self.resumed.epochs_done if self.resumed and same_file(self.resumed.path,
+                                                                                           self.save.full) else 0)
+        gone = f"; the checkpoint of epoch {held} that was there is gone" if held else ""
+        logged = f" (the log `{self.log.path}` holds the records of every finished epoch)" if self.log else ""
         try:
-            check_unchanged(self.save, self.save_ident)
-        except StreamschedError as e:
+            check_unchanged(self.save, self.save_ident,
+                            ours=lambda p: (checkpoint_meta(p) or {}).get("run") == self.run_id,
+                            help=f"move that file away, then run again{gone}{logged}")
+        except StreamschedError:
             self.save_lost = True
-            lost = self.saved_epoch or (self.resumed.epochs_done if self.resumed and same_file(self.resumed.path,
-                                                                                               self.save.full) else 0)
-            what = (f"; the epochs it held (up to epoch {lost}) are no longer there" if lost else "")
-            raise StreamschedError([_with_help(d, f"{what}; the log holds every finished epoch" if self.log else what)
-                                    for d in e.diagnostics]) from None
+            raise
         try:
             with _signals_deferred():  # what the file holds and what an interrupt reports stay one
                 save_checkpoint(self.save.full, arrays, meta)
                 self.saved_epoch = epoch
-                st = os.lstat(self.save.full)
-                self.save_ident = (st.st_dev, st.st_ino)
+                self.save_ident = file_stamp(os.lstat(self.save.full))
         except OSError as exc:
             raise _x("X021", f"cannot write the checkpoint `{self.save.path}` after epoch {epoch}: "
                      f"{exc.strerror or exc}",
@@ -1211,7 +1263,7 @@ class _Run:
         if outlier is not None:
             v, idx = outlier
             notes.append(f"the training features reach {v:.3g} (`x_train` at [{', '.join(map(str, idx))}]); features "
-                         f"that large can make the loss blow up at any rate: scale the data to about [0, 1]")
+                         f"that large make the loss blow up at any rate")
         if lr is not None and argv:
             argv = _without_option(argv, "--lr") + ("--lr", f"{lr / 10:g}")
         lower = "lower `lr` in the train block" if lr is None else f"use a lower rate, e.g. `--lr {lr / 10:g}`"
@@ -1234,12 +1286,18 @@ class _Run:
         else:
             where = "; no checkpoint was written" + (" (none was asked for: --save FILE keeps the last good epoch)"
                                                      if self.save is None else "")
-        if zero_rate:
+        if zero_rate or outlier is not None:  # the data, not the rate, is the suspect: the caret is on `data`
             dspan = self.spans.get("data")
-            msg = (f"{what}; stopping{where}; the learning rate was 0, so the weights did not move: the loss comes "
-                   "from the data and the initial weights, not from the rate")
-            help_ = ("check the data: every feature should be a finite number scaled to about [0, 1]" if outlier else
-                     "check the data and the model's initial values (`init`)")
+            msg = f"{what}; stopping{where}"
+            if zero_rate:
+                msg += ("; the learning rate was 0, so the weights did not move: the loss comes from the data and the "
+                        "initial weights, not from the rate")
+            if outlier is not None:
+                help_ = "scale the data: every feature should be a finite number of about [-1, 1] or [0, 1]"
+                if not zero_rate:
+                    help_ += f", then train again (if the data is as meant, {lower})"
+            else:
+                help_ = "check the data and the model's initial values (`init`)"
             return StreamschedError([Diagnostic("X010", msg, dspan, help=help_, notes=tuple(notes))])
         if ck:
             cmd = resume_command(argv, ck[0])
