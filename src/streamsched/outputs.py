@@ -82,7 +82,7 @@ MARK = "written by streamsched"
 STAMP = f"{MARK} {__version__}"
 LOCK_SUFFIX = ".streamsched-lock"
 TEMP_INFIX = ".streamsched-"
-_TEMP_NAME = re.compile(r"^\..*\.streamsched-[A-Za-z0-9_]{8}\.tmp(\.[^./]*)?$")
+_TEMP_NAME = re.compile(r"^\..*\.streamsched-[A-Za-z0-9_]{8}\.tmp(\.[^./]*)?$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,15 @@ def aux_base(full: str) -> str:
     folder allows has a lock and temporary file that fit."""
     base = os.path.basename(full)
     ext = os.path.splitext(base)[1]
-    room = _name_max(os.path.dirname(full) or ".") - (1 + len(TEMP_INFIX) + 8 + len(".tmp") + min(len(ext), 16))
-    if len(base) <= room:
+    size = lambda t: len(os.fsencode(t))  # NAME_MAX counts bytes  # noqa: E731
+    room = _name_max(os.path.dirname(full) or ".") - (1 + len(TEMP_INFIX) + 8 + len(".tmp") + min(size(ext), 16))
+    if size(base) <= room:
         return base
-    digest = hashlib.sha256(base.encode("utf-8", "surrogateescape")).hexdigest()[:8]
-    return base[:max(1, room - 9)] + "~" + digest
+    digest = hashlib.sha256(os.fsencode(base)).hexdigest()[:8]
+    cut = base[:max(1, room - 9)]
+    while size(cut) > room - 9 and len(cut) > 1:
+        cut = cut[:-1]
+    return cut + "~" + digest
 
 
 def lock_path(full: str) -> str:
@@ -157,7 +161,7 @@ def temp_prefix(full: str) -> str:
 
 def temp_suffix(full: str, keep_suffix: bool) -> str:
     ext = os.path.splitext(os.path.basename(full))[1]
-    return ".tmp" + (ext if keep_suffix and len(ext) <= 16 else "")
+    return ".tmp" + (ext if keep_suffix and len(os.fsencode(ext)) <= 16 else "")
 
 
 def temp_pattern(full: str) -> re.Pattern:
@@ -165,7 +169,7 @@ def temp_pattern(full: str) -> re.Pattern:
     `.plan.svg.streamsched-k3j9x0_a.tmp.svg`), so that a later run can remove the ones a killed
     run left behind, and nothing else."""
     ext = os.path.splitext(os.path.basename(full))[1]
-    return re.compile("^" + re.escape(temp_prefix(full)) + r"[A-Za-z0-9_]{8}\.tmp(" + re.escape(ext) + ")?$")
+    return re.compile("^" + re.escape(temp_prefix(full)) + r"[A-Za-z0-9_]{8}\.tmp(" + re.escape(ext) + ")?$", re.DOTALL)
 
 
 def is_reserved_name(name: str) -> bool:
@@ -464,7 +468,7 @@ def mark_file(tmp: str, kind: str, ext: str) -> None:
         if not isinstance(doc, dict):
             return
         other = doc.pop("otherData", None)
-        other = {"written_by": STAMP, **(other if isinstance(other, dict) else {})}
+        other = {"written_by": f"streamsched {__version__}", **(other if isinstance(other, dict) else {})}
         data = json.dumps({"otherData": other, **doc}).encode()
     else:
         return
