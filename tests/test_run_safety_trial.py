@@ -188,13 +188,14 @@ def test_f15_an_interrupt_in_exec_code_does_not_kill_the_process_after_it_was_ha
     """A KeyboardInterrupt that lands in code run by exec() of a string (namedtuple and dataclass
     make their methods so, while modules import) made CPython kill itself with SIGINT at exit
     (status -2), after the clean message: the message's status, 130, is the process's."""
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from streamsched import cli\n"
-            "def boom(argv):\n"
-            "    exec('raise KeyboardInterrupt')\n"
-            "cli._main = boom\n"
-            "raise SystemExit(cli.main([]))\n") % os.path.join(ROOT, "src")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # run as `python -m` does (the interpreter checks that flag after a module run as main)
+    (tmp_path / "ki_in_exec.py").write_text("from streamsched import cli\n"
+                                            "def boom(argv):\n"
+                                            "    exec('raise KeyboardInterrupt')\n"
+                                            "cli._main = boom\n"
+                                            "raise SystemExit(cli.main([]))\n")
+    env = dict(ENV, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "ki_in_exec"], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 130 and p.stderr.strip() == "interrupted by SIGINT", (p.returncode, p.stderr)
 
 
@@ -436,6 +437,17 @@ def test_f8_f17_every_name_gets_a_lock_and_temporary_name_that_fit_and_are_reser
     assert len(os.fsencode(aux_base(full))) <= len(os.fsencode(name))
 
 
+@pytest.mark.parametrize("n", [200, 230, 240, 250, 255])
+@pytest.mark.parametrize("char", ["c", "\u00e9", "\u4e2d"])
+def test_f17_long_names_get_lock_and_temporary_names_that_fit(tmp_path, n, char):
+    name = (char * n).encode()[:n].decode("utf-8", "ignore") + ".npz"
+    name = name[: len(name)] if len(name.encode()) <= 255 else name.encode()[:251].decode("utf-8", "ignore") + ".npz"
+    full = str(tmp_path / name)
+    for aux in (os.path.basename(lock_path(full)), temp_prefix(full) + "a1b2c3d4" + temp_suffix(full, True)):
+        assert len(os.fsencode(aux)) <= os.pathconf(tmp_path, "PC_NAME_MAX"), (n, char, aux)
+        assert is_reserved_name(aux)
+
+
 def test_f16_an_empty_file_name_is_x004_before_any_work(proj, capsys):
     root, _ = proj
     for argv in (RUN + ["--save", ""], RUN + ["--log", ""], RUN + ["--resume", ""], RUN + ["--resume-weights", ""],
@@ -636,7 +648,10 @@ def test_f18_the_overflow_step_named_is_the_first_one(v, every, gamma, total):
 
 def test_f19_limits_helps_are_fixes(proj, capsys):
     root, sched = proj
-    rc, _, err = run_tiny(capsys, sched, "--data-limit", "100")
+    r = np.random.default_rng(1)
+    np.savez(root / "tiny.npz", x_train=r.normal(size=(400, 4)).astype(np.float32), y_train=r.integers(0, 3, 400),
+             x_test=r.normal(size=(8, 4)).astype(np.float32), y_test=r.integers(0, 3, 8))  # 8 KiB: a KiB hint
+    rc, _, err = run_tiny(capsys, sched, "--data-limit", "1K")
     assert rc == 1 and code_of(err) == "X014"
     fix = re.search(r"`(--data-limit \S+)`", err).group(1)
     assert run_tiny(capsys, sched, *shlex.split(fix))[0] == 0  # the suggested limit admits the data
