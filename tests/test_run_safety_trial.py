@@ -419,6 +419,10 @@ def test_f8_lock_and_temporary_names_never_meet_an_output_or_a_users_file(proj, 
     (root / (".x.npz" + LOCK_SUFFIX)).write_text("mine\n")
     refused(capsys, root, RUN + ["--save", "x.npz"], "X021", "a file that streamsched did not write is at")
     assert (root / (".x.npz" + LOCK_SUFFIX)).read_text() == "mine\n"
+    os.symlink("notes", root / (".y.npz" + LOCK_SUFFIX))  # a link or a folder there: left too
+    os.mkdir(root / (".z.npz" + LOCK_SUFFIX))
+    refused(capsys, root, RUN + ["--save", "y.npz"], "X021", "is a symbolic link, not one streamsched made")
+    refused(capsys, root, RUN + ["--save", "z.npz"], "X021", "is a folder, not one streamsched made")
 
 
 @settings(max_examples=80, deadline=None)
@@ -726,3 +730,25 @@ def test_a_very_long_source_line_is_shown_as_a_window(tmp_path):
     assert max(len(ln) for ln in lines) < 220
     code_line, caret_line = lines[3], lines[4]
     assert code_line.endswith("...") and caret_line.index("^") == code_line.index("relu")
+
+
+def test_f3_a_resume_onto_other_data_starts_a_new_baseline(proj, capsys):
+    """The resumed history is the divergence rule's baseline only for the same data and model: a
+    loss on other data says nothing of this one's (a fine-tune through --resume is no collapse)."""
+    root, _ = proj
+    r = np.random.default_rng(3)
+    x = r.normal(size=(64, 4)).astype(np.float32)
+    np.savez(root / "tiny.npz", x_train=x, y_train=np.argmax(x[:, :3], 1), x_test=x[:8], y_test=np.argmax(x[:8, :3], 1))
+    sched = project(root, name="easy.sched", replace={"lr     = 0.05": "lr     = 0.5"})
+    np.savez(root / "tiny.npz", x_train=x, y_train=np.argmax(x[:, :3], 1), x_test=x[:8], y_test=np.argmax(x[:8, :3], 1))
+    assert run_tiny(capsys, sched, "--epochs", "40", "--save", "ck.npz")[0] == 0
+    best = min(h["train_loss"] for h in load_checkpoint(root / "ck.npz")[1]["history"])
+    y = r.permutation(np.argmax(x[:, :3], 1))  # the same shapes, labels no model can fit: a loss near ln 3
+    np.savez(root / "hard.npz", x_train=x, y_train=y, x_test=x[:8], y_test=y[:8])
+    hard = project(root, name="hard.sched", replace={'npz("tiny.npz")': 'npz("hard.npz")', "lr     = 0.05": "lr     = 0.5"})
+    np.savez(root / "hard.npz", x_train=x, y_train=y, x_test=x[:8], y_test=y[:8])
+    rc, _, err = run_tiny(capsys, hard, "--epochs", "42", "--resume", "ck.npz", "--log", "h.jsonl")
+    assert rc == 0, err
+    first = _log(root / "h.jsonl")[0]["train_loss"]
+    assert first > 4 * best and first > best + math.log(3) / 4  # the old baseline would have called it a collapse
+    assert "changed since it was written: the program text, the data" in err

@@ -680,6 +680,12 @@ class OutputLock:
         return None
 
     def _cannot(self, e: OSError) -> StreamschedError:
+        what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder"}.get(e.errno)
+        if what is None and os.path.lexists(self.path) and not os.path.isfile(self.path):
+            what = "not a regular file"
+        if what is not None:  # something of the user's is where the lock goes: left as it is
+            return self._fail(f"its lock file `{self.path}` is {what}, not one streamsched made; it is left as it is",
+                              "move it away, or name another output")
         return self._fail(f"cannot make its lock file `{self.path}` ({e.strerror or e})",
                           f"streamsched keeps a `.NAME{LOCK_SUFFIX}` file next to a checkpoint or log while a run "
                           "writes it; free space, or name a file in a folder you can write to")

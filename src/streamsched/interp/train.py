@@ -641,11 +641,17 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     """Run the training loop of a compiled program; returns the history and final parameters.
 
     Before any work: the settings, then every output (outputs.check_output: `--save`, the log;
-    none is an input of the run, a file of another kind, or the other output), then their locks
-    (X009 when another run holds one), then the data (bounded, finite).  Raises StreamschedError
-    (X codes) for bad data, options, outputs and checkpoints and for a diverging run (X010: the
-    loss became NaN or infinite, or an epoch's loss broke the divergence rule; no checkpoint of
-    that epoch is written, the last good one is named); TrainInterrupted on SIGINT/SIGTERM.
+    none is an input of the run, a file streamsched did not write as that output, a checkpoint
+    this run does not continue (unless overwrite), read-only, or the other output), then their
+    locks (X009 when another run holds one; the log through its inode too), then the checkpoint
+    to resume from (X007, X014), then the data (bounded, finite, X003).  Each epoch's checkpoint
+    and log line are written together, after the outputs are checked again (X021 for a file put
+    there during the run).  Raises StreamschedError (X codes) for bad data, options, outputs and
+    checkpoints and for a diverging run (X010: the loss or the state became NaN or infinite, or
+    the epoch broke the divergence rule; no checkpoint of that epoch is written, the last one is
+    named); TrainInterrupted on SIGINT, SIGTERM or SIGHUP (as the CLI maps them), at any point.
+    Feedback lines go to `echo` (default: stderr, where a failed write loses the line, never the
+    run).
     """
     opts = opts or TrainOptions()
     echo = echo or _stderr_line
