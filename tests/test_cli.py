@@ -91,7 +91,7 @@ def test_graph_writes_dot(tmp_path):
     p = run("graph", "examples/five_streams.sched", "-o", str(out))
     assert p.returncode == 0, p.stderr
     text = out.read_text()
-    assert text.startswith("digraph") and "comp2" in text
+    assert text.startswith("// written by streamsched ") and text.splitlines()[1].startswith("digraph") and "comp2" in text
 
 
 def test_check_validates_train_settings_without_running(tmp_path):

@@ -251,9 +251,10 @@ def test_nesting_within_the_limit_parses():
 # ---- 6. a closed pipe ends the command quietly
 
 
-@pytest.mark.parametrize("args", [("lower", "examples/mlp_digits.sched"),
-                                  ("check", "--format", "json", "tests/golden/errors/s006_unknown_op.sched")])
-def test_closed_pipe_is_quiet(args):
+@pytest.mark.parametrize("args,status", [(("lower", "examples/mlp_digits.sched"), 0),
+                                         (("check", "--format", "json", "tests/golden/errors/s006_unknown_op.sched"), 1)])
+def test_closed_pipe_is_quiet(args, status):
+    """A reader that stops reading costs the output, not the verdict: the status is the command's own."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     p = subprocess.Popen([sys.executable, "-m", "streamsched", *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -261,20 +262,20 @@ def test_closed_pipe_is_quiet(args):
     err = p.stderr.read().decode()
     rc = p.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
-    assert rc == 0
+    assert rc == status
 
 
 # ---- 7. command-line values have no span; file values keep theirs
 
 
 def test_divergence_from_command_line_lr_has_no_span(tmp_path, capsys):
-    rc, _, err = run_tiny(capsys, project(tmp_path), "--lr", "1e300")
+    rc, _, err = run_tiny(capsys, project(tmp_path), "--lr", "1e30")
     assert rc == 1 and "error[X010]" in err and "--lr" in err and " --> " not in err
     assert "RuntimeWarning" not in err
 
 
 def test_divergence_from_file_lr_points_at_it(tmp_path, capsys):
-    rc, _, err = run_tiny(capsys, project(tmp_path, replace={"lr     = 0.05": "lr     = 1e300"}))
+    rc, _, err = run_tiny(capsys, project(tmp_path, replace={"lr     = 0.05": "lr     = 1e30"}))
     assert rc == 1 and "error[X010]" in err and f"tiny.sched:{TRAIN_LINE + 2}:" in err
 
 

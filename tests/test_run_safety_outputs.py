@@ -132,7 +132,8 @@ def test_symbolic_links_are_refused_and_stay(proj, flag):
     assert "name a new file" in err  # the target (a text file) could not be written either
     refused(root, RUN + [flag, "dangling"], "X021", "it is a symbolic link")
     os.symlink("old.npz" if flag == "--save" else "old.jsonl", root / "ok_link")
-    err = refused(root, RUN + [flag, "ok_link"], "X021", "it is a symbolic link")
+    cont = ["--resume", "old.npz"] if flag == "--save" else []  # (a checkpoint is replaced only when continued)
+    err = refused(root, RUN + cont + [flag, "ok_link"], "X021", "it is a symbolic link")
     assert f"name the file itself (`{root / ('old.npz' if flag == '--save' else 'old.jsonl')}`)" in err
 
 
@@ -170,7 +171,8 @@ def test_the_runs_own_checkpoint_and_log_are_replaced_and_appended(proj):
     old_log = (root / "old.jsonl").read_bytes()
     (root / "empty.npz").write_bytes(b"")  # nothing to lose: may be used
     before = snapshot(root)
-    rc, _, err = run_tiny_quiet(sched, "--epochs", "1", "--save", "old.npz", "--log", "old.jsonl")
+    rc, _, err = run_tiny_quiet(sched, "--epochs", "2", "--resume", "old.npz", "--save", "old.npz", "--log",
+                                "old.jsonl")
     assert rc == 0, err
     assert_untouched(before, root, own=("old.npz", "old.jsonl"))
     log = (root / "old.jsonl").read_bytes()
@@ -219,7 +221,8 @@ def test_lower_output_rules(proj):
     os.mkfifo(root / "fifo")
     refused(root, ["lower", "tiny.sched", "-o", "fifo"], "X021", "FIFO")
     rc, _, err = main(_capsys, "lower", "tiny.sched", "-o", "plan.txt")
-    assert rc == 0 and (root / "plan.txt").read_text().startswith("plan: ")
+    text = (root / "plan.txt").read_text()
+    assert rc == 0 and text.startswith("# written by streamsched ") and text.splitlines()[1].startswith("plan: ")
     before = snapshot(root)
     rc, _, err = main(_capsys, "lower", "tiny.sched", "-o", "plan.txt")  # its own plan: replaced
     assert rc == 0
@@ -230,9 +233,9 @@ def test_lower_output_rules(proj):
 def test_graph_output_rules(proj):
     root, _ = proj
     (root / "notes.dot").write_text("my notes\n")
-    refused(root, ["graph", "tiny.sched", "-o", "notes.dot"], "X021", "not a drawing of that format")
+    refused(root, ["graph", "tiny.sched", "-o", "notes.dot"], "X021", "not a drawing streamsched wrote")
     (root / "pic.png").write_text("not a picture\n")
-    refused(root, ["graph", "tiny.sched", "-o", "pic.png"], "X021", "not a drawing of that format")
+    refused(root, ["graph", "tiny.sched", "-o", "pic.png"], "X021", "not a drawing streamsched wrote")
     refused(root, ["graph", "tiny.sched", "-o", "tiny.sched"], "X021", "the program being run")
     rc, _, err = main(_capsys, "graph", "tiny.sched", "-o", "plan.dot")
     assert rc == 0, err
@@ -248,7 +251,7 @@ def test_trace_outputs_are_checked_before_the_gpu(proj, monkeypatch):
 
     monkeypatch.setattr(cuda_pkg, "cuda_available", lambda: (False, "no GPU here"))
     refused(root, ["trace", "tiny.sched", "-o", "tiny.sched"], "X021", "the program being run")
-    refused(root, ["trace", "tiny.sched", "-o", "notes.txt"], "X021", "not a Chrome trace")
+    refused(root, ["trace", "tiny.sched", "-o", "notes.txt"], "X021", "not a trace streamsched wrote")
     refused(root, ["trace", "tiny.sched", "-o", "t.json", "--png", "t.json"], "X021", "it is also the trace")
     refused(root, ["trace", "tiny.sched", "-o", "t.json", "--png", "notes.txt"], "X021", "the timeline")
     before = snapshot(root)
@@ -272,7 +275,7 @@ def test_a_locked_checkpoint_or_log_is_x009_naming_the_holder(proj):
     root, sched = proj
     for flag, name in (("--save", "old.npz"), ("--log", "old.jsonl")):
         out = check_output(str(root / name), "checkpoint" if flag == "--save" else "log", noun="x",
-                           append=flag == "--log")
+                           append=flag == "--log", overwrite=True)
         holder = holder_info("20990101-000000-beef", ["streamsched", "run", "x"])
         lock = OutputLock(out, holder)
         lock.acquire()
@@ -283,27 +286,30 @@ def test_a_locked_checkpoint_or_log_is_x009_naming_the_holder(proj):
         finally:
             lock.release()
         assert not os.path.exists(lock_path(str(root / name)))
-    rc, _, err = run_tiny_quiet(sched, "--epochs", "1", "--save", "old.npz", "--log", "old.jsonl")
+    rc, _, err = run_tiny_quiet(sched, "--epochs", "1", "--save", "old.npz", "--log", "old.jsonl", "--overwrite")
     assert rc == 0, err
     assert not [n for n in os.listdir(root) if n.endswith(".lock")]  # released and removed
 
 
 def test_a_lock_file_left_by_a_killed_run_is_taken_over(proj):
     root, sched = proj
-    (root / ".old.npz.lock").write_text('{"run": "dead", "pid": 1}\n')  # nobody holds it
-    rc, _, err = run_tiny_quiet(sched, "--epochs", "1", "--save", "old.npz")
+    (root / ".old.npz.streamsched-lock").write_text('{"streamsched_lock": 1, "run": "dead", "pid": 1}\n')  # not held
+    rc, _, err = run_tiny_quiet(sched, "--epochs", "2", "--resume", "old.npz", "--save", "old.npz")
     assert rc == 0, err
-    assert not (root / ".old.npz.lock").exists()
+    assert not (root / ".old.npz.streamsched-lock").exists()
 
 
 def test_stale_temporary_files_are_removed(proj, capsys):
     root, sched = proj
-    (root / ".old.npz.k3j9x0_a.tmp").write_bytes(b"half a checkpoint")
+    (root / ".old.npz.streamsched-k3j9x0_a.tmp").write_bytes(b"half a checkpoint")
     (root / ".old.npz.notes").write_text("not ours")  # does not match the pattern: kept
-    rc, _, err = run_tiny_quiet(sched, "--epochs", "1", "--save", "old.npz")
+    (root / ".old.npz.k3j9x0_a.tmp").write_text("a user's file of the old pattern")  # kept too
+    rc, _, err = run_tiny_quiet(sched, "--epochs", "2", "--resume", "old.npz", "--save", "old.npz")
     assert rc == 0, err
-    assert not (root / ".old.npz.k3j9x0_a.tmp").exists() and (root / ".old.npz.notes").exists()
-    assert "removed 1 temporary file that a killed run left next to `old.npz`: .old.npz.k3j9x0_a.tmp" in err
+    assert not (root / ".old.npz.streamsched-k3j9x0_a.tmp").exists() and (root / ".old.npz.notes").exists()
+    assert (root / ".old.npz.k3j9x0_a.tmp").exists()
+    assert ("removed 1 temporary file that a killed run left next to `old.npz`: .old.npz.streamsched-k3j9x0_a.tmp"
+            in err)
 
 
 def test_a_full_disk_when_the_log_closes_is_x021(proj, monkeypatch):
@@ -319,6 +325,9 @@ def test_a_full_disk_when_the_log_closes_is_x021(proj, monkeypatch):
 
         def flush(self):
             self.f.flush()
+
+        def fileno(self):
+            return self.f.fileno()
 
         def close(self):
             self.f.close()

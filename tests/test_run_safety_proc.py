@@ -87,8 +87,8 @@ def test_sigkill_leaves_a_checkpoint_that_resumes_and_a_lock_that_is_taken_over(
     _wait_for_epoch(p, 2)
     p.kill()
     p.wait(timeout=60)
-    assert (tmp_path / ".ck.npz.lock").exists()  # left behind, but no longer held
+    assert (tmp_path / ".ck.npz.streamsched-lock").exists()  # left behind, but no longer held
     again = _run(tmp_path, "run", "tiny.sched", "--backend", "cpu", "-q", "--resume", "ck.npz", "--save", "ck.npz",
                  "--epochs", "3", "--log", "run.jsonl")
     assert again.returncode == 0 and "resumed from `ck.npz`" in again.stderr, again.stderr
-    assert not (tmp_path / ".ck.npz.lock").exists()
+    assert not (tmp_path / ".ck.npz.streamsched-lock").exists()

@@ -114,12 +114,28 @@ def test_data_that_is_not_finite_in_f32_is_x003_at_load(tmp_path, capsys, where,
     assert_untouched(before, tmp_path)
 
 
-def test_f64_within_f32_range_and_f16_data_load(tmp_path):
+def test_f64_within_the_bound_and_f16_data_load(tmp_path):
     a = _good()
-    a["x_train"][0, 0] = 3.0e38
+    a["x_train"][0, 0] = 1.8e19  # just under sqrt(f32 max): its square is still an f32
     np.savez(tmp_path / "d.npz", **{**a, "x_test": a["x_test"].astype(np.float16)})
     ds = load_dataset("npz", ("d.npz",), {}, base_dir=str(tmp_path))
-    assert ds.x_train[0, 0] == np.float32(3.0e38)
+    assert ds.x_train[0, 0] == np.float32(1.8e19)
+
+
+@pytest.mark.parametrize("value,dtype", [(3.0e38, np.float64), (1e30, np.float32), (-2e19, np.float32),
+                                         (2**64 - 1, np.uint64)])
+def test_features_whose_square_overflows_f32_are_refused_at_load(tmp_path, value, dtype):
+    """F13: a finite feature of 1e30 made a finite loss of 1e29, reported as X010 on `lr` (even
+    with --lr 0): a value beyond sqrt(f32 max) = 1.84e19 is bad data, X003 at load."""
+    a = _good()
+    x = a["x_train"].astype(dtype)
+    x[2, 1] = value
+    np.savez(tmp_path / "d.npz", **{**a, "x_train": x})
+    with pytest.raises(StreamschedError) as e:
+        load_dataset("npz", ("d.npz",), {}, base_dir=str(tmp_path))
+    (d,) = e.value.diagnostics
+    assert d.code == "X003" and "`x_train`" in d.message and "at index [2, 1] (sample 2)" in d.message
+    assert "its square is beyond f32's range" in d.message or "beyond f32's range" in d.message
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -40,11 +40,55 @@ def _log(path) -> list[dict]:
 def test_divergence_rule_against_its_definition():
     for classes in (2, 3, 10, 1000):
         u = math.log(classes)
+        chance = 1 / classes
         for loss, best in ((0.1, None), (u, None), (9.99 * u, None), (10.01 * u, None), (1e29, 0.3),
-                           (4.1 * 0.3, 0.3), (1.01 * u, 0.2), (0.99 * u, 0.01), (1.01 * u, u / 3.9)):
-            want = loss > DIVERGE_UNIFORM * u or (best is not None and loss > DIVERGE_BEST * best and loss > u)
-            assert (divergence(loss, best, classes) is not None) == want, (classes, loss, best)
+                           (4.1 * 0.3, 0.3), (1.01 * u, 0.2), (0.99 * u, 0.01), (1.01 * u, u / 3.9),
+                           (0.0004, 0.0001), (0.3, 0.07), (0.07 + 0.26 * u, 0.07), (0.07 + 0.24 * u, 0.07)):
+            for acc, best_acc in ((None, None), (0.9, 0.95), (0.2, 0.95), (0.5, 0.95), (chance, 0.4), (0.01, 0.6)):
+                want = loss > 10 * u or (best is not None and loss > 4 * best and loss > best + u / 4) or (
+                    acc is not None and best_acc - chance >= (1 - chance) / 2 and acc < chance + (best_acc - chance) / 2)
+                got = divergence(loss, best, classes, acc, best_acc)
+                assert (got is not None) == want, (classes, loss, best, acc, best_acc, got)
     assert divergence(5.0, None, 1) is None  # one class: nothing to guess
+    assert (DIVERGE_UNIFORM, DIVERGE_BEST) == (10.0, 4.0)
+
+
+def _curves() -> dict[str, list[dict]]:
+    with open(os.path.join(ROOT, "tests", "data", "loss_curves.json"), encoding="utf-8") as f:
+        return json.load(f)["curves"]
+
+
+def _first_firing(recs: list[dict], classes: int = 10) -> int | None:
+    """The first epoch the rule stops, replaying the loop's bookkeeping (baselines from whole epochs)."""
+    best = best_acc = None
+    for r in recs:
+        if divergence(r["train_loss"], best, classes, r.get("test_acc"), best_acc):
+            return r["epoch"]
+        best = r["train_loss"] if best is None else min(best, r["train_loss"])
+        best_acc = r["test_acc"] if best_acc is None else max(best_acc, r["test_acc"])
+    return None
+
+
+def test_the_rule_never_fires_on_the_examples_real_curves():
+    """F3's other half: no false alarm on every example's CPU run (tests/data/loss_curves.json,
+    made by benchmarks/loss_curves.py), nor on noisy runs at high constant rates that learn."""
+    curves = _curves()
+    healthy = [k for k in curves if not k.startswith("collapse:")]
+    assert {"mlp_digits", "resnet_digits", "resnet_lars", "seed_step", "swish_mlp"} <= set(healthy)
+    assert any(k.startswith("noisy:") for k in healthy)
+    for name in healthy:
+        assert _first_firing(curves[name]) is None, name
+
+
+def test_the_rule_stops_a_collapse_at_its_first_collapsed_epoch():
+    """F3: `step(0.01, every = 11, gamma = 2)` doubles the rate each epoch: epoch 7 falls from 92% to 21%
+    test accuracy at a train loss of 1.61, below ln(10), which the old rule let pass and saved."""
+    curves = _curves()
+    c = curves["collapse:step(0.01, every = 11, gamma = 2)"]
+    assert c[6]["epoch"] == 7 and c[6]["test_acc"] < 0.25 < 0.9 < c[5]["test_acc"] and c[6]["train_loss"] < math.log(10)
+    assert _first_firing(c) == 7
+    c = curves["collapse:step(0.02, every = 11, gamma = 1.5)"]
+    assert _first_firing(c) == 10 and c[9]["test_acc"] < 0.4
 
 
 def test_a_finite_blow_up_is_x010_and_saves_nothing_of_it(tmp_path, capsys):
@@ -104,12 +148,14 @@ def test_a_comment_or_more_epochs_resume_with_a_note_and_bit_exact(tmp_path, cap
     assert_untouched(before, tmp_path, own=("ck.npz", "resumed.jsonl"))
     assert f"resumed from `{ck}` after epoch 2 (step 8); changed since it was written: the program text, epochs 2 -> 4" \
         in err
-    assert "note: the learning rate continues from step 8" in err
+    # the 2-epoch plan had ended (rate 0): the new steps follow the 16-step plan, not 0
+    plan16 = make_schedule("cosine", (0.05,), {"warmup": 2}, 16)
+    assert (f"note: the learning-rate plan of `{ck}` had ended at step 8 (rate 0), where going on would train at 0; "
+            f"the 8 new steps follow cosine(v=0.05, warmup=2, min=0.0) stretched to the new end, step 16: "
+            f"{plan16(8):.6g} at step 8, decaying to 0") in err
     recs = _log(log)
     assert [r["epoch"] for r in recs] == [3, 4] and [r["step"] for r in recs] == [12, 16]
-    # the lr never jumps back up: it goes on decaying from where the 2-epoch plan was at step 8
-    plan2 = make_schedule("cosine", (0.05,), {"warmup": 2}, 8)
-    assert recs[0]["lr"] <= plan2(7) and recs[1]["lr"] <= recs[0]["lr"]
+    assert [r["lr"] for r in recs] == [plan16(11), plan16(15)] and recs[0]["lr"] > 0.005
 
 
 def test_resume_with_the_same_length_is_the_uninterrupted_run(tmp_path):
@@ -129,14 +175,37 @@ def test_resume_with_the_same_length_is_the_uninterrupted_run(tmp_path):
 def test_continued_schedule_is_continuous_and_decays_to_the_new_end():
     for name, kw in (("cosine", {"warmup": 5}), ("linear", {"warmup": 0}), ("cosine", {"warmup": 5, "min": 0.01})):
         old = make_schedule(name, (0.1,), kw, 40)
-        for t0, total in ((20, 80), (3, 80), (40, 60), (30, 35)):
+        lo = dict(old.params).get("min", 0.0)
+        for t0, total in ((20, 80), (3, 80), (39, 60), (30, 35)):  # an interrupted plan: no jump
             new = old.continued(t0, total)
+            assert not new.restarted
             assert new(t0) == pytest.approx(old(t0), rel=1e-12, abs=1e-15)
             vals = [new(t) for t in range(max(t0, 5), total + 3)]
             assert all(b <= a + 1e-15 for a, b in zip(vals, vals[1:]))
-            lo = dict(old.params).get("min", 0.0)
             assert new(total) == pytest.approx(lo)
         assert old.continued(20, 40) is old
+
+
+def test_a_finished_plan_given_more_steps_follows_the_longer_plan():
+    """F1: a finished cosine or linear plan had reached its floor (0): going on there trained at
+    lr 0.  The new steps follow the plan stretched to the new end: the rate of a run planned for
+    the new length from the start, which decays to `min` again (tested against the formula)."""
+    for name, kw in (("cosine", {"warmup": 50}), ("linear", {"warmup": 0}), ("cosine", {"warmup": 5, "min": 0.01})):
+        v, w, lo = 0.1, kw["warmup"], kw.get("min", 0.0)
+        old = make_schedule(name, (v,), kw, 440)
+        assert old(440) == pytest.approx(lo)
+        for total in (451, 660, 880):
+            new = old.continued(440, total)
+            assert new.restarted
+            for t in range(440, total + 1):
+                p = (t - w) / (total - w)
+                want = lo + (v - lo) * (1 + math.cos(math.pi * p)) / 2 if name == "cosine" else v * (1 - p)
+                assert new(t) == pytest.approx(want, rel=1e-9, abs=1e-12), (name, total, t)
+            assert new(total) == pytest.approx(lo)
+            assert new(440) > lo + 1e-4  # trains again
+        # 40 -> 60 epochs of 11 steps: the rate restarts at a quarter of the peak (cosine, p = 2/3)
+    assert make_schedule("cosine", (0.1,), {"warmup": 50}, 440).continued(440, 660)(440) == pytest.approx(
+        0.1 * (1 + math.cos(math.pi * 390 / 610)) / 2)
 
 
 def test_a_changed_layout_is_x007_before_anything_is_written(tmp_path, capsys):
@@ -227,9 +296,8 @@ def test_one_epoch_line_each_on_stderr_and_one_numbering(tmp_path, capsys):
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"streamsched {__version__}"
+    assert cli.main(["--version"]) == 0  # main returns the status, it never raises (SystemExit included)
+    assert capsys.readouterr().out.strip() == f"streamsched {__version__}"
     with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
         assert f'version = "{__version__}"' in f.read()
 
@@ -290,7 +358,10 @@ def test_threads_are_capped_to_the_usable_cores(monkeypatch):
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
     assert cpu_threads.choose_threads(None, c.schedule) == (1, "")  # small products: one thread
     n, note = cpu_threads.choose_threads(16, c.schedule)
-    assert n == 2 and note == "--threads 16: this process may use 2 cores; using 2 BLAS threads"
+    assert n == 2 and note.startswith("--threads 16: this process may use 2 cores; using 2 BLAS threads; more BLAS "
+                                      "threads than the 1 this program's matrix products can keep busy")
+    n, note = cpu_threads.choose_threads(2, c.schedule)  # within the cores, above what the products use
+    assert n == 2 and note.startswith("--threads 2: more BLAS threads than the 1") and "busy" in note
     assert cpu_threads.choose_threads(1, c.schedule) == (1, "")
 
 

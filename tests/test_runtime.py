@@ -102,7 +102,7 @@ def test_divergence_stops_with_x010_and_keeps_the_checkpoint(tmp_path):
     _train("mlp_digits.sched", epochs=1, lr=0.05, save=ck)
     before = open(ck, "rb").read()
     with pytest.raises(StreamschedError) as e:
-        _train("mlp_digits.sched", epochs=3, lr=1e30, save=ck)
+        _train("mlp_digits.sched", epochs=3, lr=1e30, save=ck, overwrite=True)  # a new run onto it, on purpose
     d = e.value.diagnostics[0]
     assert d.code == "X010" and ("nan" in d.message or "inf" in d.message)
     assert open(ck, "rb").read() == before

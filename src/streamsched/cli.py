@@ -2,24 +2,44 @@
 
 Exit status: 0 clean, 1 on any user-facing error (always a diagnostic with a code, never a
 traceback), bad command-line usage included (X004; argparse's own status would be 2).  An internal
-failure names the pass and asks for a bug report (3).  A reader that stops reading early
-(`streamsched lower F | head`) ends the command quietly with status 0.  SIGINT and SIGTERM end a
-run as 128 + the signal (130, 143), after it said which checkpoint holds which epoch and the
-command that resumes it.  Every output a command writes is checked before any work
-(streamsched.outputs).
+failure names the pass and asks for a bug report (3).  SIGINT, SIGTERM and SIGHUP end a command as
+128 + the signal (130, 143, 129) at any moment, start-up included, without a traceback; a run first
+says which checkpoint holds which epoch and the command that resumes it.  Every output a command
+writes is checked before any work (streamsched.outputs).
+
+Standard output and standard error are feedback, never the work (`_Feedback`): a reader that stops
+reading (`streamsched lower F | head`, `run ... 2>&1 | head`), a closed stream (`>&-`, `2>&-`) or
+one that cannot be written never stops a command or shows a traceback, and a run goes on to its
+end with its checkpoint and log.  The exit status is the command's own (a cut pipe does not turn
+`check`'s 1 into 0, nor a stopped run into a success); a stream that failed for another reason
+than a reader that went away or a stream closed on purpose (a full disk: ENOSPC, EFBIG, EIO) makes
+it 1, with X021 naming the stream on the other one when that one still works.
 """
 
 from __future__ import annotations
 
-import argparse
+# Only what `main` needs to catch an interrupt is imported with the module: an interrupt during
+# the other imports (`_load`, inside main's handler) is a clean message too, not a traceback.
+# (os and sys are loaded by the interpreter before any of this runs.)
 import os
-import signal
 import sys
-import time
-import traceback
 
-from streamsched import __version__
-from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
+
+def _load() -> None:
+    """The module's other imports, done by `main` under its interrupt handler."""
+    global argparse, errno, signal, time, traceback, __version__, Diagnostic, InternalError, SourceCache
+    global StreamschedError, render_all, ArgumentParser
+    import argparse
+    import errno
+    import signal
+    import time
+    import traceback
+
+    from streamsched import __version__
+    from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
+
+    if "ArgumentParser" not in globals():
+        ArgumentParser = _argument_parser(argparse)
 
 
 def _print_diags(diags, sources: SourceCache, fmt: str, stream=None) -> None:
@@ -221,6 +241,7 @@ def cmd_run(args) -> int:
         opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
                             save=args.save, resume=args.resume, resume_weights=args.resume_weights,
+                            overwrite=args.overwrite,
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
                             argv=tuple(args.argv))
@@ -250,13 +271,20 @@ def cmd_run(args) -> int:
     msg = (f"{res.backend}: {res.steps} steps in {res.wall_s:.2f} s ({us:.0f} us/step wall, eval included; "
            f"training {res.steady_us_per_step:.0f} us/step, evaluation {res.eval_s:.2f} s; first step "
            f"{first:.2f} s after the command); "
-           f"epoch {last.get('epoch')}: train loss {last.get('train_loss', float('nan')):.4f}")
+           f"epoch {last.get('epoch')}{_partial(last)}: train loss {last.get('train_loss', float('nan')):.4f}")
     if acc is not None:
         msg += f", test loss {last.get('test_loss'):.4f}, test accuracy {100 * acc:.2f}%"
     print(msg)
     for note in res.notes:
         print(f"note: {note}", file=sys.stderr)
     return 1 if res.races else 0
+
+
+def _partial(rec: dict) -> str:
+    """` (partial: 4 of 11 steps)` for the record of an epoch that `--steps` cut short."""
+    if rec.get("partial"):
+        return f" (partial: {rec.get('epoch_steps')} of {rec.get('steps_per_epoch')} steps)"
+    return ""
 
 
 def cmd_trace(args) -> int:
@@ -297,21 +325,25 @@ def cmd_trace(args) -> int:
     return 0
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the project's rule for user mistakes: a bad command line (unknown option,
-    missing argument, `--epochs five`) prints the usage and an X004 diagnostic and exits 1, not
-    argparse's 2.  Subcommand parsers inherit it (add_subparsers uses the parent's class)."""
+def _argument_parser(argparse):
+    class ArgumentParser(argparse.ArgumentParser):
+        """argparse with the project's rule for user mistakes: a bad command line (unknown option,
+        missing argument, `--epochs five`) prints the usage and an X004 diagnostic and exits 1, not
+        argparse's 2.  Subcommand parsers inherit it (add_subparsers uses the parent's class)."""
 
-    def __init__(self, *a, **kw):
-        kw.setdefault("allow_abbrev", False)  # `--res` is not `--resume`: the resume command is exact
-        super().__init__(*a, **kw)
+        def __init__(self, *a, **kw):
+            kw.setdefault("allow_abbrev", False)  # `--res` is not `--resume`: the resume command is exact
+            super().__init__(*a, **kw)
 
-    def error(self, message: str):  # noqa: D102 (argparse's hook)
-        self.print_usage(sys.stderr)
-        self.exit(1, f"error[X004]: {message}\n  = help: `{self.prog} --help` lists the options\n")
+        def error(self, message: str):  # noqa: D102 (argparse's hook)
+            self.print_usage(sys.stderr)
+            self.exit(1, f"error[X004]: {message}\n  = help: `{self.prog} --help` lists the options\n")
+
+    return ArgumentParser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> "argparse.ArgumentParser":
+    _load()
     p = ArgumentParser(prog="streamsched", description="Check, plan and run multi-stream training schedules.")
     p.add_argument("--version", action="version", version=f"streamsched {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -370,14 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU backend: stream interleaving")
     r.add_argument("--interleave-seed", type=int, default=0)
     r.add_argument("--log", help="append one JSON line per epoch (only to a log streamsched wrote)")
-    r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch; only replaces a "
-                                  "checkpoint streamsched wrote)")
+    r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch; replaces an existing "
+                                  "checkpoint only when this run continues it with --resume, or with --overwrite)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="let --save replace a checkpoint streamsched wrote that this run does not continue")
     r.add_argument("--resume", help="continue from a checkpoint (any change that keeps every array's name, "
                                     "shape and dtype; the changes are listed)")
     r.add_argument("--resume-weights", metavar="CHECKPOINT",
                    help="start a new run from a checkpoint's parameters (fine-tuning)")
-    r.add_argument("--threads", type=int, help="BLAS threads (default: as many as the matrix products use, "
-                                               "at most the cores this process may use)")
+    r.add_argument("--threads", type=int, help="BLAS threads (default: one, or more for matrix products large "
+                                               "enough to use them, at most the cores this process may use; more "
+                                               "threads on small products are much slower on a busy machine)")
     r.add_argument("--data-limit", type=_size, metavar="SIZE",
                    help="the most bytes data files and checkpoints may hold, e.g. 16G "
                         "(default 4G, or $STREAMSCHED_DATA_LIMIT)")
@@ -395,65 +430,209 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _quiet_stdout() -> None:
-    """After a closed pipe: point stdout at /dev/null so that the interpreter's last flush at exit
-    does not fail a second time (the recipe of Python's `signal` documentation)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured in tests)
-        pass
+class _Feedback:
+    """A command's sys.stdout or sys.stderr: a write or flush that fails (a reader that stopped
+    reading, a stream closed, a full disk) is dropped rather than raised, so that feedback never
+    stops the work, and every later one is dropped too; `error` keeps the first failure for
+    `main` to report.  After a failure the descriptor is pointed at /dev/null, so the
+    interpreter's last flush at exit does not fail again (the recipe of Python's `signal`
+    documentation for SIGPIPE).  Everything else is the wrapped stream's."""
+
+    def __init__(self, raw, name: str):
+        self._raw = raw
+        self.name = name
+        self.error: BaseException | None = None
+
+    def write(self, text: str) -> int:
+        if self.error is None:
+            try:
+                return self._raw.write(text)
+            except (OSError, ValueError) as e:
+                self._failed(e)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self._raw.flush()
+            except (OSError, ValueError) as e:
+                self._failed(e)
+
+    def isatty(self) -> bool:
+        try:
+            return self.error is None and self._raw.isatty()
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _failed(self, e: BaseException) -> None:
+        self.error = e
+        try:
+            fd = self._raw.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor (captured in tests)
+            pass
+
+    @property
+    def lost(self) -> bool:
+        """Whether writing failed for a reason the user did not choose: not a reader that stopped
+        reading (EPIPE), not a stream they closed (EBADF, a closed file)."""
+        e = self.error
+        if e is None or isinstance(e, (BrokenPipeError, ValueError)):
+            return False
+        return getattr(e, "errno", None) not in (errno.EPIPE, errno.EBADF)
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+def _streams() -> tuple[_Feedback, _Feedback, tuple]:
+    """Wrap sys.stdout and sys.stderr in `_Feedback` (returns them and the originals).  A standard
+    descriptor that is closed (`>&-`) is first pointed at /dev/null, so that no file the command
+    opens gets descriptor 0, 1 or 2 (a child process such as `dot`, or any C code, writing to
+    "stdout" would write into the checkpoint or log), and the stream writes nowhere: the user
+    closed it to discard it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                n = os.open(os.devnull, os.O_RDWR)
+                if n != fd:
+                    os.dup2(n, fd)
+                    os.close(n)
+            except OSError:  # pragma: no cover
+                pass
+    orig = (sys.stdout, sys.stderr)
+    out = sys.stdout if sys.stdout is not None else open(os.devnull, "w", encoding="utf-8")
+    err = sys.stderr if sys.stderr is not None else open(os.devnull, "w", encoding="utf-8")
+    sys.stdout, sys.stderr = _Feedback(out, "standard output"), _Feedback(err, "standard error")
+    return sys.stdout, sys.stderr, orig
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, turned into an interrupt so that a run ends as on Ctrl-C: its log closed, its
-    locks released, the resume command printed."""
+    """SIGTERM or SIGHUP (the terminal went away), turned into an interrupt so that a run ends as
+    on Ctrl-C: its log closed, its locks released, the resume command printed (where it can be)."""
 
-    signum = signal.SIGTERM
+    def __init__(self, signum: int | None = None):
+        super().__init__()
+        self.signum = int(signal.SIGTERM if signum is None else signum)
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+def _install_signals() -> dict:
+    """Handle SIGTERM and SIGHUP as interrupts, unless they are ignored (`nohup` ignores SIGHUP:
+    that choice is kept).  Returns the previous handlers, for `main` to restore."""
+    old = {}
+    for sig in (s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None):
+        try:
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                old[sig] = signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    return old
+
+
+def _interrupted(e: BaseException) -> int:
+    """The end of a command stopped by a signal: what the run said (TrainInterrupted's lines),
+    else one line; status 128 + the signal.  A second Ctrl-C from here on ends the process at
+    once (the default action), without a traceback."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
+    # An interrupt that landed in code run by exec() of a string (namedtuple and dataclass build
+    # their methods so, during imports) leaves CPython's "unhandled KeyboardInterrupt" flag set, and
+    # the interpreter would then kill itself with SIGINT at exit although the interrupt was handled
+    # here; every exec() of a string starts by clearing that flag.
+    exec("None")  # noqa: S102
+    signum = int(getattr(e, "signum", signal.SIGINT))
+    lines = getattr(e, "lines", None)
+    if not lines:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        lines = [f"interrupted by {name}"]
+    print("\n".join(lines), file=sys.stderr)
+    return 128 + signum
+
+
+_PATH_OPTIONS = (("save", "--save"), ("log", "--log"), ("resume", "--resume"), ("resume_weights", "--resume-weights"),
+                 ("output", "-o"), ("png", "--png"))
+
+
+def _empty_path(args) -> Diagnostic | None:
+    """X004 for an option that names a file given an empty name (`--save "$CKPT"` with CKPT
+    unset would otherwise run without the checkpoint, or start afresh instead of resuming)."""
+    for attr, flag in _PATH_OPTIONS:
+        if getattr(args, attr, None) == "":
+            return Diagnostic("X004", f"{flag} needs a file name, got an empty one (an unset shell variable?)",
+                              help=f"give {flag} a file name, e.g. `{flag} run.npz`" if attr in ("save", "resume",
+                                   "resume_weights") else f"give {flag} a file name, or leave the option out")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from streamsched.interp.train import TrainInterrupted
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    old_term = None
+    """The command line `argv` (default sys.argv[1:]); returns the exit status (module
+    docstring).  Never raises, an interrupt at any moment included."""
+    out = err = None
+    orig = None
+    old = {}
     try:
-        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):  # not the main thread
-        pass
+        _load()
+        out, err, orig = _streams()
+        old = _install_signals()
+        rc = _main(argv)
+        out.flush()
+        err.flush()
+        if out.lost:
+            rc = max(rc, 1)
+            e = out.error
+            print(f"error[X021]: cannot write the standard output: {getattr(e, 'strerror', None) or e}\n"
+                  "  = help: free space, or send the output elsewhere", file=sys.stderr)
+        if err.lost:
+            rc = max(rc, 1)
+            e = err.error
+            print(f"error[X021]: cannot write the standard error: {getattr(e, 'strerror', None) or e}; "
+                  "messages of this command were lost", file=sys.stdout)
+        return rc
+    except KeyboardInterrupt as e:  # (TrainInterrupted is one) at any moment, imports included
+        _load()
+        return _interrupted(e)
+    finally:
+        for sig, h in old.items():
+            try:
+                signal.signal(sig, h)
+            except (ValueError, OSError, TypeError):
+                pass
+        if orig is not None:
+            for f in (out, err):
+                try:
+                    f.flush()
+                except BaseException:  # noqa: BLE001  (nothing may escape here)
+                    pass
+            sys.stdout, sys.stderr = orig
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
-        args.argv = argv
-        rc = args.fn(args)
-        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
-        return rc
-    except BrokenPipeError:
-        # The reader stopped reading (`streamsched lower F | head -3`, `check --format json | head`):
-        # it got what it asked for.  Our choice: exit quietly with status 0, no traceback and no
-        # message, since a reader that stops early is not a failure of the command, and a
-        # `set -o pipefail` pipeline should not fail because of it (SIGPIPE's conventional 141
-        # would make it fail).  The price: the command's own verdict (1 when `check` found errors)
-        # is lost once its output is cut, so a script that needs it must not cut the output.
-        _quiet_stdout()
-        return 0
-    except TrainInterrupted as e:
-        print("\n".join(e.lines), file=sys.stderr)
-        return 128 + int(e.signum)
-    except KeyboardInterrupt as e:
-        signum = int(getattr(e, "signum", signal.SIGINT))
-        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+    except SystemExit as e:  # --help, --version, or a usage error (X004): argparse printed it
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    args.argv = argv
+    bad = _empty_path(args)
+    if bad is not None:
+        _print_diags([bad], SourceCache(), "text")
+        return 1
+    try:
+        return args.fn(args)
     except InternalError as exc:
         print(f"internal error (a bug in streamsched, not in your file): {exc}", file=sys.stderr)
         traceback.print_exc()
         return 3
-    finally:
-        if old_term is not None:
-            try:
-                signal.signal(signal.SIGTERM, old_term)
-            except (ValueError, OSError):
-                pass

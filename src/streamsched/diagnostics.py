@@ -135,6 +135,11 @@ class SourceCache:
         return None
 
 
+SHOWN_COLUMNS = 200
+"""The most characters of a source line a diagnostic shows (a window around the caret, with
+`...` where it is cut)."""
+
+
 def _snippet(span: Span, sources: SourceCache, message: str = "", gutter: int = 0) -> list[str]:
     src = sources.line(span.file, span.line)
     if src is None:
@@ -146,6 +151,12 @@ def _snippet(span: Span, sources: SourceCache, message: str = "", gutter: int = 
         end = span.end_col
     else:
         end = max(len(src) + 1, start + 1)
+    if len(src) > SHOWN_COLUMNS:  # a 10 000-character line would bury the message: show a window
+        lo = max(0, start - 1 - SHOWN_COLUMNS // 4)
+        hi = lo + SHOWN_COLUMNS
+        left, right = ("..." if lo else ""), ("..." if hi < len(src) else "")
+        src = left + src[lo:hi] + right
+        start, end = start - lo + len(left), min(end, hi + 1) - lo + len(left)
     carets = "^" * max(1, end - start)
     pad = " " * width
     tail = f" {message}" if message else ""

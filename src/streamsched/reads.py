@@ -40,10 +40,14 @@ class ReadError(Exception):
     "unreadable" | "corrupt" | "pickle"; message: what is wrong, in the user's words, without the
     file's name (the caller says which file and which role it plays)."""
 
-    def __init__(self, why: str, message: str):
+    def __init__(self, why: str, message: str, *, member: str | None = None, need: int | None = None,
+                 limit: int | None = None):
         super().__init__(message)
         self.why = why
         self.message = message
+        self.member = member  # "too_large": the member over its own limit (member_limits), else None
+        self.need = need  # "too_large": the bytes the read needed
+        self.limit = limit  # "too_large": the limit it is over
 
 
 def human_size(n: int) -> str:
@@ -56,6 +60,16 @@ def human_size(n: int) -> str:
         if x < 1024 or unit == "EiB":
             return f"{x:.0f} {unit}" if x == int(x) else f"{x:.1f} {unit}"
     return f"{n} bytes"  # pragma: no cover
+
+
+def limit_hint(n: int) -> str:
+    """A `--data-limit` value that admits `n` bytes, as a user writes it: the next whole number of
+    the largest unit that fits (5.3 GiB -> `6G`, 1300 bytes -> `2K`), so a help line that suggests
+    it is a fix."""
+    for unit, k in (("T", 4), ("G", 3), ("M", 2), ("K", 1)):
+        if n >= 1024 ** k:
+            return f"{-(-n // 1024 ** k)}{unit}"
+    return f"{max(1, n)}"
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
@@ -217,11 +231,11 @@ def read_npz(path: str, limit: int, keys: tuple[str, ...] | None = None,
                 own = (member_limits or {}).get(k)
                 if own is not None and size > own:
                     raise ReadError("too_large", f"has a `{k}` of {human_size(size)}, over its "
-                                    f"{human_size(own)} limit")
+                                    f"{human_size(own)} limit", member=k, need=size, limit=own)
                 total += size
             if total > limit:
                 raise ReadError("too_large", f"holds {human_size(total)} of arrays (uncompressed), over the "
-                                f"{human_size(limit)} data limit")
+                                f"{human_size(limit)} data limit", need=total, limit=limit)
             arrays = {k: _read_member(zf, infos[k], k) for k in wanted}
     return names, arrays
 
@@ -244,7 +258,7 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> np.nda
                 else:
                     raise ValueError(f"unknown .npy format version {version}")
             except (ValueError, SyntaxError, TypeError, EOFError) as e:
-                raise ReadError("corrupt", f"member `{key}` has a broken .npy header ({e})") from None
+                raise ReadError("corrupt", f"member `{key}` has a broken .npy header ({numpy_words(e)})") from None
             if dtype.hasobject:
                 raise ReadError("pickle", f"member `{key}` is an object (pickled) array")
             count = 1
@@ -272,4 +286,20 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str) -> np.nda
         raise
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, RuntimeError, NotImplementedError,
             OverflowError, MemoryError, KeyError, UnicodeDecodeError, struct.error) as e:
-        raise ReadError("corrupt", f"member `{key}` cannot be read ({e or type(e).__name__})") from None
+        raise ReadError("corrupt", f"member `{key}` cannot be read ({numpy_words(e)})") from None
+
+
+def numpy_words(e: BaseException) -> str:
+    """An exception from NumPy's readers in our words: its advice to load a file unsafely
+    (`allow_pickle=True`, a larger `max_header_size`) is never the fix here, since streamsched
+    never unpickles and never reads a header NumPy calls unsafe."""
+    msg = str(e) or type(e).__name__
+    low = msg.lower()
+    if "max_header_size" in low or "header info length" in low:
+        m = re.search(r"\((\d+)\)", msg)
+        size = f" of {human_size(int(m.group(1)))}" if m else ""
+        return f"its .npy header{size} is longer than NumPy reads safely (10000 bytes); a file np.save wrote has a " \
+               "header of about 128 bytes"
+    if "pickle" in low:
+        return "it holds pickled (object) data, which streamsched never loads"
+    return msg

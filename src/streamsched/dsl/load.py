@@ -5,6 +5,7 @@ file, recursion rejected), and the stdlib `ops.sched`.  Returns ASTs plus diagno
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -92,6 +93,8 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
             except UnicodeDecodeError as exc:
                 diags.append(_not_utf8(p, raw, exc, inc_span, sources))
                 return
+            if "\r" in txt:  # old Mac line ends (a lone CR) end lines too, one character for one
+                txt = re.sub(r"\r(?!\n)", "\n", txt)
         sources.texts[p] = txt
         try:
             f = parse(txt, p)

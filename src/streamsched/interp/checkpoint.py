@@ -42,10 +42,11 @@ from typing import Any
 import numpy as np
 
 from streamsched import __version__
+from streamsched.auxnames import temp_pattern as _temp_pattern, temp_prefix, temp_suffix
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.interp.data import archive_kind
 from streamsched.interp.ir import Span
-from streamsched.reads import META_LIMIT, ReadError, data_limit, file_kind, human_size, read_npz
+from streamsched.reads import META_LIMIT, ReadError, data_limit, file_kind, human_size, limit_hint, read_npz
 
 FORMAT_VERSION = 2
 META_KEY = "__meta__"
@@ -63,16 +64,15 @@ def _err(code: str, message: str, span: Span | None, help: str = "") -> Streamsc
 
 
 def temp_pattern(path: str) -> re.Pattern:
-    """The names of the temporary files `atomic_temp` makes for `path` (`.ck.npz.k3j9x0_a.tmp`,
-    and `.plan.svg.k3j9x0_a.tmp.svg` for writers that need the suffix), so that a later run can
-    remove the ones a killed run left behind."""
-    base = os.path.basename(path)
-    ext = os.path.splitext(base)[1]
-    return re.compile(r"^\." + re.escape(base) + r"\.[A-Za-z0-9_]{8}\.tmp(" + re.escape(ext) + r")?$")
+    """The names of the temporary files `atomic_temp` makes for `path` (outputs.temp_pattern:
+    `.ck.npz.streamsched-k3j9x0_a.tmp`, and `.plan.svg.streamsched-k3j9x0_a.tmp.svg` for writers
+    that need the suffix), so that a later run can remove the ones a killed run left behind."""
+    return _temp_pattern(os.path.abspath(os.fspath(path)))
 
 
 def atomic_temp(path: str, keep_suffix: bool = False) -> tuple[int, str]:
-    """A new temporary file next to `path` (same folder, so `os.replace` is a rename), with the
+    """A new temporary file next to `path` (same folder, so `os.replace` is a rename), named
+    `.NAME.streamsched-XXXXXXXX.tmp` (outputs.temp_prefix), with the
     permissions the final file should have (those of the file it replaces, else 0666 less the
     umask; mkstemp's own 0600 would make every output private).  keep_suffix: end the name in
     path's suffix too (`dot -Tsvg` and matplotlib choose the format by it).  Returns (fd, name).
@@ -88,9 +88,8 @@ def atomic_temp(path: str, keep_suffix: bool = False) -> tuple[int, str]:
             raise IsADirectoryError(errno.EISDIR, "is a folder, not a checkpoint file", path)
         raise OSError(errno.EEXIST, f"is {file_kind(st.st_mode)}, not a regular file; it is never replaced", path)
     directory = os.path.dirname(path)
-    base = os.path.basename(path)
-    suffix = ".tmp" + (os.path.splitext(base)[1] if keep_suffix else "")
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=suffix, dir=directory)
+    # the name never exceeds the folder's NAME_MAX (outputs.aux_base), and no output may have it
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=temp_suffix(path, keep_suffix), dir=directory)
     try:
         if st is not None:
             mode = stat.S_IMODE(st.st_mode)
@@ -217,9 +216,15 @@ def load_checkpoint(path: str | os.PathLike, span: Span | None = None, *,
     try:
         names, arrays = read_npz(path, lim + META_LIMIT, None, {META_KEY: META_LIMIT})
     except ReadError as e:
-        if e.why == "too_large":
+        if e.why == "too_large" and e.member == META_KEY:
             raise _err("X014", f"checkpoint `{path}` {e.message}", span,
-                       help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the "
+                       help=f"the metadata limit is fixed at {human_size(META_LIMIT)} (`--data-limit` is for arrays): "
+                            "`streamsched run` writes a few KiB of it, so this file was not written by it or was "
+                            "altered; point --resume at a checkpoint `streamsched run` wrote") from None
+        if e.why == "too_large":
+            hint = limit_hint((e.need or lim) - META_LIMIT if e.need else lim * 2)
+            raise _err("X014", f"checkpoint `{path}` {e.message}", span,
+                       help=f"raise the limit with `--data-limit {hint}` (or STREAMSCHED_DATA_LIMIT={hint}) if the "
                             "checkpoint really is that large") from None
         what = "it holds pickled (object) data, which streamsched never loads" if e.why == "pickle" else e.message
         raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: {what}", span, help=help_) from None
@@ -227,9 +232,10 @@ def load_checkpoint(path: str | os.PathLike, span: Span | None = None, *,
     if raw is None:
         raise _err("X007", f"checkpoint `{path}` is corrupt or unreadable: no `{META_KEY}` entry", span, help=help_)
     if sum(a.nbytes for a in arrays.values()) > lim:
-        raise _err("X014", f"checkpoint `{path}` holds {human_size(sum(a.nbytes for a in arrays.values()))} of "
-                   f"arrays, over the {human_size(lim)} data limit", span,
-                   help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G)")
+        total = sum(a.nbytes for a in arrays.values())
+        raise _err("X014", f"checkpoint `{path}` holds {human_size(total)} of arrays, over the {human_size(lim)} data "
+                   "limit", span, help=f"raise the limit with `--data-limit {limit_hint(total)}` (or "
+                                       f"STREAMSCHED_DATA_LIMIT={limit_hint(total)})")
     try:
         meta = json.loads(np.ascontiguousarray(raw).tobytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -244,24 +250,75 @@ def load_checkpoint(path: str | os.PathLike, span: Span | None = None, *,
     return arrays, meta
 
 
-def written_by_us(path: str) -> tuple[bool, str]:
-    """Whether the regular file `path` is a checkpoint this tool wrote, told by its metadata
-    alone (the arrays are not read): a zip archive with a `__meta__` member holding a JSON object
-    with `"writer": "streamsched ..."` (format 2), or with `format`, `model` and `program`
-    (format 1).  Returns (yes, what it is otherwise, as a phrase)."""
-    kind = archive_kind(path)
-    if kind != "npz":
-        return False, {"npy": "a single .npy array", "it is empty": "an empty file", "it holds text": "a text file",
-                       }.get(kind, "a binary file")
+def checkpoint_meta(path: str) -> dict | None:
+    """The metadata of the checkpoint `path` when streamsched wrote it, read without its arrays:
+    a zip archive with a `__meta__` member holding a JSON object with `"writer": "streamsched
+    ..."` (format 2), or with `format`, `model` and `program` (format 1); None otherwise."""
+    if archive_kind(path) != "npz":
+        return None
     try:
         names, arrays = read_npz(path, META_LIMIT, (META_KEY,), {META_KEY: META_LIMIT})
         meta = json.loads(np.ascontiguousarray(arrays[META_KEY]).tobytes().decode("utf-8"))
     except (ReadError, KeyError, ValueError, UnicodeDecodeError, RecursionError):
-        return False, "a zip archive that is not a streamsched checkpoint"
+        return None
     if isinstance(meta, dict) and (str(meta.get("writer", "")).startswith("streamsched")
                                    or {"format", "model", "program"} <= set(meta)):
-        return True, "a streamsched checkpoint"
-    return False, "an .npz archive that is not a streamsched checkpoint"
+        return meta
+    return None
+
+
+def written_by_us(path: str) -> tuple[bool, str]:
+    """Whether the regular file `path` is a checkpoint this tool wrote, told by its metadata
+    alone (checkpoint_meta; the arrays are not read).  Returns (yes, what it is, as a phrase:
+    for a checkpoint, whose: `a checkpoint of model `mlp` (epoch 40 of 40, run ..., saved ...)`)."""
+    kind = archive_kind(path)
+    if kind != "npz":
+        return False, {"npy": "a single .npy array", "it is empty": "an empty file", "it holds text": "a text file",
+                       }.get(kind, "a binary file")
+    meta = checkpoint_meta(path)
+    if meta is None:
+        try:
+            read_npz(path, META_LIMIT, (META_KEY,), {META_KEY: META_LIMIT})
+            return False, "an .npz archive that is not a streamsched checkpoint"
+        except ReadError:
+            return False, "a zip archive that is not a streamsched checkpoint"
+    bits = []
+    if isinstance(meta.get("epoch"), int):
+        bits.append(f"epoch {meta['epoch']}" + (f" of {meta['epochs']}" if isinstance(meta.get("epochs"), int) else ""))
+    for key, word in (("run", "run"), ("saved_at", "saved")):
+        if isinstance(meta.get(key), str):
+            bits.append(f"{word} {meta[key]}")
+    model = f" of model `{meta['model']}`" if isinstance(meta.get("model"), str) else ""
+    return True, f"a checkpoint{model}" + (f" ({', '.join(bits)})" if bits else "")
+
+
+def first_nonfinite(arrays: dict[str, np.ndarray]) -> tuple[str, tuple[int, ...], float] | None:
+    """The first float array (in name order) holding NaN or an infinity: (name, index, value),
+    or None when every value is finite."""
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name])
+        if a.dtype.kind not in "fc" or a.size == 0:
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(a)
+        if bad.any():
+            idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad.reshape(-1))), a.shape))
+            return name, idx, float(a[idx])
+    return None
+
+
+def check_finite_arrays(arrays: dict[str, np.ndarray], path: str, span: Span | None = None) -> None:
+    """Refuse a checkpoint holding a value that is not finite (X007, naming the array and the
+    first bad index): `streamsched run` never writes one (an epoch whose state is not finite has
+    diverged), so it was altered or written elsewhere, and resuming from it would only report a
+    divergence with the learning rate to blame."""
+    bad = first_nonfinite(arrays)
+    if bad is not None:
+        name, idx, v = bad
+        raise _err("X007", f"checkpoint `{path}` is corrupt: array `{name}` holds {v} at index "
+                   f"[{', '.join(map(str, idx))}]; every value of a checkpoint is finite", span,
+                   help="resume from an earlier checkpoint, or start without --resume; `streamsched run` never "
+                        "writes a checkpoint of a state that is not finite")
 
 
 _FIELD_HELP = {

@@ -95,12 +95,20 @@ def choose_threads(requested: int | None, schedule) -> tuple[int, str]:
     """(BLAS threads for the run, a note for the user or ""): `requested` (from --threads) capped
     at usable_cores(), else the automatic rule of the module docstring."""
     usable = usable_cores()
+    auto = max(1, min(usable, largest_product_flops(schedule) // FLOPS_PER_THREAD))
     if requested is not None:
         n = max(1, min(int(requested), usable))
-        note = (f"--threads {requested}: this process may use {usable} core{'s' if usable != 1 else ''}; "
-                f"using {n} BLAS thread{'s' if n != 1 else ''}") if requested > usable else ""
-        return n, note
-    return max(1, min(usable, largest_product_flops(schedule) // FLOPS_PER_THREAD)), ""
+        notes = []
+        if requested > usable:
+            notes.append(f"--threads {requested}: this process may use {usable} core{'s' if usable != 1 else ''}; "
+                         f"using {n} BLAS thread{'s' if n != 1 else ''}")
+        if n > auto:
+            notes.append(f"{'' if notes else f'--threads {requested}: '}more BLAS threads than the {auto} this program's "
+                         "matrix products can keep busy: the threads wait on each other at every product, which "
+                         "is slower, and many times slower when other processes share the cores "
+                         "(docs/performance.md)")
+        return n, "; ".join(notes)
+    return auto, ""
 
 
 @contextmanager

@@ -36,8 +36,8 @@ import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.interp.ir import Span
-from streamsched.reads import (ReadError, data_limit, file_kind, human_size, open_regular, read_exactly, read_head,
-                               read_npz, read_regular)
+from streamsched.reads import (ReadError, data_limit, file_kind, human_size, limit_hint, open_regular, read_exactly,
+                               read_head, read_npz, read_regular)
 
 SOURCES = ("digits", "idx", "npz", "text")
 """The data sources `load_dataset` knows, in the order the error message lists them."""
@@ -193,9 +193,10 @@ class _Budget:
 
     def too_large(self, what: str, nbytes: int, span: Span | None) -> StreamschedError:
         so_far = f" after {human_size(self.used)} of earlier files" if self.used else ""
+        hint = limit_hint(self.used + nbytes)
         return _err("X014", f"{what} holds {human_size(nbytes)} (decompressed), over the {human_size(self.limit)} "
                     f"data limit{so_far}", span,
-                    help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the data "
+                    help=f"raise the limit with `--data-limit {hint}` (or STREAMSCHED_DATA_LIMIT={hint}) if the data "
                          "really is that large")
 
 
@@ -415,6 +416,12 @@ def _load_idx_dir(directory: str, span: Span | None, budget: _Budget | None = No
         if a[key].ndim < 2:
             raise _err("X003", f"idx: {_IDX_FILES[key][0]} has shape {a[key].shape}; images need at least "
                        "2 dimensions (samples, pixels...)", span)
+        if len(a[key]) == 0:  # (an empty split cannot be flattened by its sample count)
+            split = "training" if key == "x_train" else "test"
+            raise _err("X003", f"idx: `{_IDX_FILES[key][0]}` in `{directory}` holds no samples (shape "
+                       f"{a[key].shape}): the {split} split is empty", span,
+                       help="every run trains on the training split and is evaluated on the test split each "
+                            "epoch; both need at least one sample")
         check_finite(a[key], f"idx: `{_IDX_FILES[key][0]}` in `{directory}`", span)
         # Pixels stored as bytes are scaled to [0, 1]; other types are taken as they are.
         scale = 255.0 if a[key].dtype == np.uint8 else 1.0
@@ -423,29 +430,46 @@ def _load_idx_dir(directory: str, span: Span | None, budget: _Budget | None = No
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+F32_SQRT_MAX = math.sqrt(_F32_MAX)
+"""1.84e19: a feature beyond it has a square beyond f32's range, so the products and sums of
+squares of training (a linear layer's weight gradient, a norm, a variance, Adam's second moment)
+overflow on it whatever the learning rate."""
 
 
 def check_finite(x: np.ndarray, what: str, span: Span | None) -> None:
-    """Refuse features that are not finite numbers once in f32, the dtype training uses: NaN, inf,
-    or a wider float beyond +-3.4e38 (it would become inf).  what names the array and its file
-    ("npz: `x_train` in `/d/data.npz`").  Raises StreamschedError X003 naming the first bad
-    index (row-major) and its value."""
-    if x.dtype.kind != "f" or x.size == 0:
+    """Refuse features that training cannot take in f32, its dtype: NaN, inf, a wider float
+    beyond +-3.4e38 (it would become inf), or any value (float or integer) beyond +-1.84e19
+    (F32_SQRT_MAX), whose square overflows f32 (a feature of 1e30 makes a finite loss of 1e29:
+    bad data that would otherwise be reported as a learning rate that diverges).  what names the
+    array and its file ("npz: `x_train` in `/d/data.npz`").  Raises StreamschedError X003 naming
+    the first bad index (row-major) and its value."""
+    if x.dtype.kind not in "fiu" or x.size == 0:
         return
-    bad = ~np.isfinite(x)
-    if x.dtype.itemsize > 4:
-        with np.errstate(invalid="ignore"):
-            bad |= np.abs(x) > _F32_MAX
+    if x.dtype.kind == "f":
+        bad = ~np.isfinite(x)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad |= np.abs(x) > F32_SQRT_MAX
+    elif x.dtype.itemsize < 8:  # an int32 or narrower cannot reach 1.84e19
+        return
+    else:
+        bad = np.abs(x.astype(np.float64)) > F32_SQRT_MAX
     if not bad.any():
         return
     idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad.reshape(-1))), x.shape))
-    v = x[idx]
-    why = "" if not np.isfinite(v) else f", beyond f32's range (+-{_F32_MAX:.6g}): it would be inf in training"
+    v = float(x[idx])
+    if not math.isfinite(v):
+        why = ""
+    elif abs(v) > _F32_MAX:
+        why = f", beyond f32's range (+-{_F32_MAX:.6g}): it would be inf in training"
+    else:
+        why = (f", beyond +-{F32_SQRT_MAX:.3g}: its square is beyond f32's range (+-{_F32_MAX:.3g}), so training "
+               "overflows on it whatever the learning rate")
     n_bad = int(bad.sum())
-    raise _err("X003", f"{what} holds {float(v):.6g} at index [{', '.join(map(str, idx))}] (sample {idx[0]}){why}; "
-               f"{n_bad} value{'s are' if n_bad != 1 else ' is'} not a finite f32 number in all", span,
-               help="clean the data (every feature must be a finite number in f32's range), e.g. with "
-                    "np.nan_to_num or by dropping those samples, then save it again")
+    raise _err("X003", f"{what} holds {v:.6g} at index [{', '.join(map(str, idx))}] (sample {idx[0]}){why}; "
+               f"{n_bad} value{'s are' if n_bad != 1 else ' is'} not a finite f32 number of at most {F32_SQRT_MAX:.3g} "
+               "in all", span,
+               help="clean the data (every feature must be a finite number, in practice scaled to about [-1, 1] or "
+                    "[0, 1]), e.g. with np.nan_to_num or by dropping those samples, then save it again")
 
 
 def archive_kind(path: str) -> str:
@@ -471,12 +495,11 @@ def archive_kind(path: str) -> str:
 
 
 def own_words(e: BaseException) -> str:
-    """An exception from a reader in our words: numpy's advice to load a file unsafely
-    (`allow_pickle=`) is never the fix here, since streamsched never unpickles."""
-    msg = str(e)
-    if "pickle" in msg.lower():
-        return "it holds pickled (object) data, which streamsched never loads"
-    return msg or type(e).__name__
+    """An exception from a reader in our words (reads.numpy_words): numpy's advice to load a file
+    unsafely (`allow_pickle=`) is never the fix here, since streamsched never unpickles."""
+    from streamsched.reads import numpy_words
+
+    return numpy_words(e)
 
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -498,9 +521,10 @@ def _load_npz(path: str, span: Span | None, budget: _Budget | None = None) -> Da
         names, a = read_npz(path, budget.left, NPZ_KEYS)
     except ReadError as e:
         if e.why == "too_large":
+            hint = limit_hint(budget.used + (e.need or 2 * budget.left))
             raise _err("X014", f"npz: `{path}` {e.message}", span,
-                       help="raise the limit with `--data-limit 16G` (or STREAMSCHED_DATA_LIMIT=16G) if the data "
-                            "really is that large") from None
+                       help=f"raise the limit with `--data-limit {hint}` (or STREAMSCHED_DATA_LIMIT={hint}) if the "
+                            "data really is that large") from None
         if e.why in ("missing", "not_regular"):
             raise _err("X002", f"npz: data file `{path}` {e.message}", span) from None
         if e.why == "pickle":

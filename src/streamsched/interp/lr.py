@@ -10,12 +10,21 @@ Formulas (v: peak rate, T: total_steps, W: warmup steps, p: decay progress)::
     cosine(v, warmup = 0, min = 0.0)  lr(t) = min + (v - min) * (1 + cos(pi * p)) / 2
     linear(v, warmup = 0)             lr(t) = v * (1 - p)
 
-A run resumed with another length keeps its schedule continuous (`Schedule.continued`): from
-a = max(t0, W), t0 the resume step, the decay that had reached p_a = min(1, (a - W) / (T0 - W))
-under the checkpoint's length T0 goes on to 1 at the new length T, linearly in t:
-p(t) = p_a + (1 - p_a) (t - a) / (T - a); before a the checkpoint's plan holds.  So the rate at
-the resume step is the one the interrupted run would have used, and a longer run does not
-restart the cosine.  With T = T0 this is the unchanged plan (and is computed as such).
+A run resumed with another length T than the checkpoint's plan T0 (`Schedule.continued`; t0 the
+resume step, a = max(t0, W), p_a = min(1, (a - W) / (T0 - W)) the progress the plan had reached):
+
+- the plan had not ended (p_a < 1, an interrupted run): it goes on from where it was, to 1 at
+  the new end, linearly in t: p(t) = p_a + (1 - p_a) (t - a) / (T - a).  The rate at the resume
+  step is the one the interrupted run would have used, and it never jumps back up;
+- the plan had ended (p_a = 1, a finished run given more epochs: its rate had reached `min`, 0
+  by default, and going on there would train nothing): the new steps follow the schedule
+  stretched to the new end, p(t) = (t - W) / (T - W), the rate a run planned for T steps from
+  the start has at t.  The decay restarts at a rate that grows with the steps added (cosine(0.1)
+  over 40 epochs, resumed to 60: 0.025; to 80: 0.05) and ends at `min` at T.
+
+Both are stored as (a, p_start, T0): p(t) = p_start + (1 - p_start) (t - a) / (T - a) for t >= a
+(p_start = p_a, or (a - W) / (T - W) when the plan had ended), the checkpoint's plan before a.
+With T = T0 this is the unchanged plan (and is computed as such).
 
 A warm-up longer than the run is clipped to the run's length when asked (`clip_warmup`): the
 run then only warms up, reaching v at its last step.
@@ -24,7 +33,9 @@ The cosine branch is the annealing curve of SGDR (Loshchilov & Hutter, "SGDR: St
 Gradient Descent with Warm Restarts", ICLR 2017, eq. 5) without restarts, the same formula as
 PyTorch's `torch.optim.lr_scheduler.CosineAnnealingLR` with T_max = T - W and eta_min = min:
 it equals v at t = W, (v + min) / 2 halfway, and min at t = T (and stays there after).
-Bad names or arguments are StreamschedError X004.
+Every rate of a run must be a finite f32 number (at most 3.4e38, the dtype it is uploaded in):
+`step` with gamma > 1 grows without bound, so its factor gamma ** (t // N) is checked over the
+run's steps, even when v is 0.  Bad names or arguments are StreamschedError X004.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from typing import Any
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.interp.data import REQUIRED, _did_you_mean, _is_int, _is_number, bind_args
 from streamsched.interp.ir import Span
+
+F32_MAX = 3.4028234663852886e38
 
 _PARAMS: dict[str, tuple[tuple[str, Any], ...]] = {
     "constant": (("v", REQUIRED),),
@@ -72,7 +85,10 @@ class Schedule:
         if self.name == "constant":
             return v
         if self.name == "step":
-            return v * float(p["gamma"]) ** (t // int(p["every"]))
+            try:
+                return v * float(p["gamma"]) ** (t // int(p["every"]))
+            except OverflowError:  # refused by make_schedule within the run; inf past it
+                return math.inf
         w = int(p["warmup"])
         if t < w:
             return v * (t + 1) / w
@@ -97,15 +113,29 @@ class Schedule:
     def continued(self, t0: int, total_steps: int) -> "Schedule":
         """This schedule (planned for self.total_steps) resumed at step t0 in a run of
         total_steps steps: equal to self before max(t0, warmup), then decaying to the end of the
-        new length (module docstring).  The same length gives self unchanged."""
+        new length, from where it was, or, when it had ended, stretched to the new end (module
+        docstring).  The same length gives self unchanged."""
         if self.name in ("constant", "step"):  # functions of t alone
             return replace(self, total_steps=int(total_steps))
         if total_steps == self.total_steps:
             return self
-        a = max(int(t0), int(dict(self.params)["warmup"]))
+        w = int(dict(self.params)["warmup"])
+        a = max(int(t0), w)
         first_plan = self.resume[2] if self.resume is not None else self.total_steps
-        return Schedule(self.name, self.params, int(total_steps), self.warmup_clipped_from,
-                        (a, self._progress(a), first_plan))
+        start = self._progress(a)
+        if start >= 1.0:  # the plan had ended: the longer plan's own progress at a
+            start = min(1.0, max(0.0, (a - w) / max(1, int(total_steps) - w)))
+        return Schedule(self.name, self.params, int(total_steps), self.warmup_clipped_from, (a, start, first_plan))
+
+    @property
+    def restarted(self) -> bool:
+        """Whether this is a continuation of a plan that had ended (its decay stretched to the new
+        end rather than continued from where it was)."""
+        if self.resume is None or self.name in ("constant", "step"):
+            return False
+        a, start, first = self.resume
+        w = int(dict(self.params)["warmup"])
+        return min(1.0, max(0.0, (a - w) / max(1, first - w))) >= 1.0
 
 
 def _err(message: str, span: Span | None, help: str = "") -> StreamschedError:
@@ -113,15 +143,16 @@ def _err(message: str, span: Span | None, help: str = "") -> StreamschedError:
 
 
 def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: Span | None = None, *,
-                  clip_warmup: bool = False) -> Schedule:
+                  clip_warmup: bool = False, check_range: bool = True) -> Schedule:
     """Build the schedule `name(*args, **kwargs)` for a run of total_steps steps.
 
     args/kwargs: the literal arguments from the `lr = ...` line; span: that line, put on every
     diagnostic; clip_warmup: a warmup longer than the run is clipped to total_steps (recorded in
     `warmup_clipped_from`, for the caller's notice) instead of refused.  Returns a `Schedule`
     (callable: step -> float).  Raises StreamschedError X004 for an unknown name, an
-    unknown/missing/repeated argument, or a value out of range (v < 0, every < 1, gamma <= 0,
-    warmup < 0, or > total_steps unless clipped, min outside [0, v]).
+    unknown/missing/repeated argument, or a value out of range (v < 0 or beyond f32, every < 1,
+    gamma <= 0, warmup < 0, or > total_steps unless clipped, min outside [0, v]), or (check_range,
+    for a run of exactly total_steps) a rate beyond f32 at some step.
     """
     if name not in _PARAMS:
         raise _err(f"unknown learning-rate schedule `{name}`; known: {', '.join(SCHEDULES)}", span,
@@ -133,12 +164,17 @@ def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: 
                    help="check `epochs` and the batch size")
     if not _is_number(a["v"]) or a["v"] < 0:
         raise _err(f"{name}: the learning rate must be a non-negative number, got {a['v']!r}", span)
+    if a["v"] > F32_MAX:
+        raise _err(f"{name}: the learning rate {a['v']!r} is beyond f32's range ({F32_MAX:.3g}), the dtype it is "
+                   "uploaded in", span, help="use a rate such as 0.1")
     if name == "step":
         if not _is_int(a["every"]) or a["every"] < 1:
             raise _err(f"step: `every` must be a positive whole number of steps, got {a['every']!r}", span,
                        help="e.g. `step(0.1, every = 1000, gamma = 0.1)`")
         if not _is_number(a["gamma"]) or a["gamma"] <= 0:
             raise _err(f"step: `gamma` must be a positive number, got {a['gamma']!r}", span)
+        if check_range and a["gamma"] > 1:
+            _check_step_range(float(a["v"]), int(a["every"]), float(a["gamma"]), int(total_steps), span)
     if "warmup" in a:
         if not _is_int(a["warmup"]) or a["warmup"] < 0:
             raise _err(f"{name}: `warmup` must be a non-negative whole number of steps, got {a['warmup']!r}", span)
@@ -152,3 +188,18 @@ def make_schedule(name: str, args: tuple, kwargs: dict, total_steps: int, span: 
         raise _err(f"cosine: `min` must be a number between 0 and the peak rate {a['v']}, got {a['min']!r}", span)
     params = tuple((k, a[k]) for k, _ in _PARAMS[name])
     return Schedule(name, params, int(total_steps), clipped)
+
+
+def _check_step_range(v: float, every: int, gamma: float, total_steps: int, span: Span | None) -> None:
+    """X004 when `step(v, every, gamma)` with gamma > 1 leaves f32's range within the run: the
+    factor gamma ** k (k = t // every, at most (total_steps - 1) // every) or the rate v * gamma ** k
+    beyond 3.4e38 (with v = 0 the rate would be 0 x inf, NaN)."""
+    k_max = (total_steps - 1) // every
+    room = math.log(F32_MAX) - (math.log(v) if v > 1 else 0.0)  # the factor's room, and the rate's
+    if k_max * math.log(gamma) <= room:
+        return
+    k = math.floor(room / math.log(gamma)) + 1  # the first k past the room
+    raise _err(f"step: the learning rate overflows f32 at step {k * every} of this run's {total_steps}: "
+               f"{v:g} x {gamma:g} ** {k} is beyond {F32_MAX:.3g}", span,
+               help=f"a gamma above 1 grows the rate every {every} steps; use gamma < 1 to decay it, e.g. "
+                    f"`step({v:g}, every = {every}, gamma = 0.1)`")

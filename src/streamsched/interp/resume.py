@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
-from streamsched.interp.checkpoint import check_arrays, load_checkpoint
+from streamsched.interp.checkpoint import check_arrays, check_finite_arrays, load_checkpoint
 from streamsched.interp.lr import SCHEDULES, Schedule
 
 
@@ -50,9 +50,11 @@ def _count(meta: dict, key: str, path: str) -> int:
 def load_for_resume(path: str, layout: dict, limit: int | None) -> Resumed:
     """Read `path` and check that it fits `layout` (train._checkpoint_layout: name -> (shape,
     dtype) of every parameter and state buffer).  Raises StreamschedError X007 (X014 over the
-    limit) before anything is written into the run's buffers."""
+    limit; X007 too for a value that is not finite) before anything is written into the run's
+    buffers."""
     arrays, meta = load_checkpoint(path, limit=limit)
     check_arrays(arrays, layout, path)
+    check_finite_arrays(arrays, path)
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
         history = []
@@ -124,6 +126,7 @@ def load_weights(path: str, program, layout: dict, limit: int | None) -> tuple[d
     want = {n: layout[n] for n in params}
     got = {n: a for n, a in arrays.items() if n in want}
     check_arrays(got, want, path)
+    check_finite_arrays(got, path)
     return got, meta
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -23,15 +24,15 @@ import numpy as np
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl.resolve import CallValue
 from streamsched.interp.barriers import plan_segments
-from streamsched.interp.checkpoint import save_checkpoint
+from streamsched.interp.checkpoint import first_nonfinite, save_checkpoint
 from streamsched.interp.cpu_threads import blas_threads, choose_threads
 from streamsched.interp.data import Batches, check_compatible, data_paths, load_dataset
 from streamsched.interp.ir import Task
-from streamsched.interp.lr import make_schedule
+from streamsched.interp.lr import F32_MAX, make_schedule
 from streamsched.interp.resume import (Resumed, changes, load_for_resume, load_weights, lr_meta, resume_command,
                                        schedule_from_meta)
-from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, holder_info, new_run_id, open_log,
-                                 remove_stale_temps)
+from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, check_unchanged, file_stamp,
+                                 holder_info, new_run_id, open_log, remove_stale_temps, same_file)
 from streamsched.pipeline import Compiled
 from streamsched.stdlib.kernels import KERNELS, numpy_dtype
 
@@ -55,7 +56,8 @@ class TrainOptions:
     data_limit: bytes the data and checkpoints may hold (None: reads.data_limit()); protect: more
     files no output may overwrite (the program's includes); argv: the command line after
     `streamsched`, for the exact resume command printed on an interrupt or divergence; progress:
-    the progress bar (on a terminal) and one line per epoch on stderr."""
+    the progress bar (on a terminal) and one line per epoch on stderr; overwrite: `--save` may
+    replace a checkpoint streamsched wrote that this run does not continue (outputs.check_output)."""
 
     epochs: int | None = None
     lr: float | None = None
@@ -75,6 +77,7 @@ class TrainOptions:
     data_limit: int | None = None
     protect: tuple[str, ...] = ()
     argv: tuple[str, ...] | None = None
+    overwrite: bool = False
 
 
 @dataclass
@@ -130,6 +133,28 @@ class TrainInterrupted(KeyboardInterrupt):
 
 def _x(code: str, msg: str, span=None, help: str = "") -> StreamschedError:
     return StreamschedError([Diagnostic(code, msg, span, help=help)])
+
+
+def _with_help(d: Diagnostic, extra: str) -> Diagnostic:
+    """`d` with `extra` appended to its help."""
+    from dataclasses import replace as _replace
+
+    return _replace(d, help=d.help + extra) if extra else d
+
+
+DATA_HINT = 1e6
+"""Training features beyond this magnitude get a note on a divergence (X010): inputs of a network
+are scaled to about [-1, 1] (raw pixels to 255, raw audio to 32768), and one far larger can blow
+up the loss at any rate."""
+
+
+def _stderr_line(line: str) -> None:
+    """The default `echo`: a line on stderr; a stderr that cannot be written (closed, a reader
+    gone, a full disk) loses the line, never the run."""
+    try:
+        print(line, file=sys.stderr)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def init_params(program, seed: int) -> dict[str, np.ndarray]:
@@ -341,6 +366,12 @@ def _checkpoint_layout(program) -> dict[str, tuple[tuple[int, ...], np.dtype | N
     return out
 
 
+def _layout_json(program) -> dict:
+    """The checkpoint's `layout` field for `program`: {name: [shape, dtype name]} (bf16 by name)."""
+    return {n: [list(shape), np.dtype(dt).name if dt is not None else "bf16"]
+            for n, (shape, dt) in _checkpoint_layout(program).items()}
+
+
 def make_runner(compiled: Compiled, opts: TrainOptions):
     """`--backend auto` picks CUDA when CuPy and a device are present, else the CPU with a notice;
     `--backend cuda` without a GPU is an X020 diagnostic; arenas too large to allocate are X013."""
@@ -492,7 +523,7 @@ def _run_inputs(program, opts: TrainOptions, data: tuple, data_base: str) -> lis
 def _log_output(tv: dict, spans: dict, flag_value, base_dir: str, inputs) -> Output | None:
     """The log of a run: --log (relative to the current folder), else the train block's `log`
     (relative to the .sched file that writes it), checked as an output (X004, X021)."""
-    if flag_value:
+    if flag_value is not None:
         return check_output(flag_value, "log", noun="the log", origin="--log", inputs=inputs, append=True)
     if tv.get("log") is None:
         return None
@@ -533,35 +564,81 @@ def check_train_settings(program, includes: tuple[str, ...] = ()) -> list[Diagno
     data_base = setting_dir(dspan, top)
     attempt(lambda: check_source(*data, base_dir=data_base, span=dspan))
     lname, largs, lkw = _call(tv.get("lr", 0.1), "constant")
-    attempt(lambda: make_schedule(lname, largs, lkw, 10 ** 9, spans.get("lr")))
+    total = _planned_steps(program, tv, data)
+    attempt(lambda: make_schedule(lname, largs, lkw, total or 10 ** 9, spans.get("lr"), clip_warmup=total is not None,
+                                  check_range=total is not None))
     inputs = _run_inputs(program, TrainOptions(protect=tuple(includes)), data, data_base)
     attempt(lambda: _log_output(tv, spans, None, top, inputs))
     return diags
+
+
+def _planned_steps(program, tv: dict, data: tuple) -> int | None:
+    """The steps of a run of the train block as written, when they are known without reading data
+    (the `digits` source: its split sizes are fixed), else None."""
+    try:
+        dname, dargs, dkw = data
+        if dname != "digits" or program.model is None:
+            return None
+        from streamsched.interp.data import bind_args, digits_train_samples
+
+        a = bind_args("digits", (("test", 0.2), ("seed", 0)), dargs, dkw)
+        epochs = tv.get("epochs", 10)
+        batch = int(program.model.batch)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1 or batch < 1:
+            return None
+        spe = digits_train_samples(a["test"]) // batch
+        return epochs * spe if spe >= 1 else None
+    except (StreamschedError, TypeError, ValueError, AttributeError):
+        return None
 
 
 DIVERGE_UNIFORM = 10.0
 """An epoch whose mean training loss is above this many times ln(classes) has diverged."""
 DIVERGE_BEST = 4.0
 """An epoch whose mean training loss is above this many times the best epoch's so far, and above
-ln(classes), has diverged."""
+it by DIVERGE_MARGIN x ln(classes), has diverged."""
+DIVERGE_MARGIN = 0.25
+"""The least rise over the best epoch's loss, in units of ln(classes), that counts: a loss of
+0.0004 after a best of 0.0001 is four times as large and still nothing (noise near zero)."""
+LEARNED = 0.5
+"""A run has learned once its best test accuracy is at least this far from chance (1/classes)
+to 1: only then can its accuracy collapse."""
+COLLAPSE = 0.5
+"""An epoch whose test accuracy fell back more than this fraction of the way from the best
+epoch's accuracy to chance has collapsed (diverged)."""
 
 
-def divergence(loss: float, best: float | None, classes: int) -> str | None:
-    """The divergence rule for a finite epoch loss (docs/data.md, "Divergence"): why the epoch
-    whose mean training loss is `loss` has diverged, or None when it has not.  ln(classes) is the
-    cross-entropy of guessing uniformly, the loss an untrained model starts near; a run whose loss
-    is ten times that has blown up (lr = 1e6 reaches 1e29), and one that climbs from its best
-    epoch to four times that and past uniform guessing has lost what it learned.  best: the
-    lowest mean loss of the earlier epochs (resumed ones included), None for the first."""
+def divergence(loss: float, best: float | None, classes: int, acc: float | None = None,
+               best_acc: float | None = None) -> str | None:
+    """The divergence rule of an epoch (docs/data.md, "Divergence"): why the epoch whose mean
+    training loss is `loss` (finite) and whose test accuracy is `acc` (None when not evaluated)
+    has diverged, or None when it has not.  best, best_acc: the lowest mean training loss and the
+    highest test accuracy of the earlier whole epochs of this run's history (resumed ones
+    included), None for the first.  C = classes, u = ln(C), the cross-entropy of guessing
+    uniformly, the loss an untrained model starts near:
+
+    - loss > 10 u: blown up (lr = 1e6 reaches 1e29 in its first epoch);
+    - loss > 4 best and loss > best + u / 4: the run climbed far from its own best epoch;
+    - best_acc - 1/C >= (1 - 1/C) / 2 (it had learned) and acc < 1/C + (best_acc - 1/C) / 2:
+      its test accuracy fell more than halfway back to chance.
+
+    Tuned on the examples' loss curves (tests/data/loss_curves.json), on which it never fires,
+    nor on noisy runs at high constant rates that still learn; it fires on the epoch where a run
+    whose rate doubles each epoch collapses (92% -> 21% test accuracy at a loss of 1.6 < u)."""
     if classes < 2 or not math.isfinite(loss):
         return None
     uniform = math.log(classes)
     if loss > DIVERGE_UNIFORM * uniform:
-        return (f"above {DIVERGE_UNIFORM:g} x ln({classes}) = {DIVERGE_UNIFORM * uniform:.4g}, ten times the loss "
-                f"of guessing uniformly")
-    if best is not None and loss > DIVERGE_BEST * best and loss > uniform:
-        return (f"above {DIVERGE_BEST:g} times the best epoch's {best:.4g}, and above ln({classes}) = {uniform:.4g}, "
-                f"the loss of guessing uniformly")
+        return (f"its train loss {loss:.4g} is above {DIVERGE_UNIFORM:g} x ln({classes}) = "
+                f"{DIVERGE_UNIFORM * uniform:.4g}, ten times the loss of guessing uniformly")
+    if best is not None and loss > DIVERGE_BEST * best and loss > best + DIVERGE_MARGIN * uniform:
+        return (f"its train loss {loss:.4g} is above {DIVERGE_BEST:g} times the best epoch's {best:.4g} (and above it "
+                f"by more than {DIVERGE_MARGIN:g} x ln({classes}) = {DIVERGE_MARGIN * uniform:.3g})")
+    chance = 1.0 / classes
+    if acc is not None and best_acc is not None and math.isfinite(acc) \
+            and best_acc - chance >= LEARNED * (1 - chance) and acc < chance + COLLAPSE * (best_acc - chance):
+        return (f"its test accuracy {100 * acc:.2f}% fell more than halfway back from the best epoch's "
+                f"{100 * best_acc:.2f}% to chance ({100 * chance:.2f}%)")
     return None
 
 
@@ -570,14 +647,20 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     """Run the training loop of a compiled program; returns the history and final parameters.
 
     Before any work: the settings, then every output (outputs.check_output: `--save`, the log;
-    none is an input of the run, a file of another kind, or the other output), then their locks
-    (X009 when another run holds one), then the data (bounded, finite).  Raises StreamschedError
-    (X codes) for bad data, options, outputs and checkpoints and for a diverging run (X010: the
-    loss became NaN or infinite, or an epoch's loss broke the divergence rule; no checkpoint of
-    that epoch is written, the last good one is named); TrainInterrupted on SIGINT/SIGTERM.
+    none is an input of the run, a file streamsched did not write as that output, a checkpoint
+    this run does not continue (unless overwrite), read-only, or the other output), then their
+    locks (X009 when another run holds one; the log through its inode too), then the checkpoint
+    to resume from (X007, X014), then the data (bounded, finite, X003).  Each epoch's checkpoint
+    and log line are written together, after the outputs are checked again (X021 for a file put
+    there during the run).  Raises StreamschedError (X codes) for bad data, options, outputs and
+    checkpoints and for a diverging run (X010: the loss or the state became NaN or infinite, or
+    the epoch broke the divergence rule; no checkpoint of that epoch is written, the last one is
+    named); TrainInterrupted on SIGINT, SIGTERM or SIGHUP (as the CLI maps them), at any point.
+    Feedback lines go to `echo` (default: stderr, where a failed write loses the line, never the
+    run).
     """
     opts = opts or TrainOptions()
-    echo = echo or (lambda s: print(s, file=sys.stderr))
+    echo = echo or _stderr_line
     program = compiled.program
     if program.model is None:
         raise _x("X004", "the file has no model to train")
@@ -615,6 +698,13 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     if opts.lr is not None and (isinstance(opts.lr, bool) or not isinstance(opts.lr, (int, float))
                                 or not math.isfinite(opts.lr) or opts.lr < 0):
         raise _x("X004", f"--lr must be a non-negative number, got {opts.lr!r}", help="e.g. `--lr 0.05`")
+    if opts.lr is not None and opts.lr > F32_MAX:
+        raise _x("X004", f"--lr {opts.lr:g} is beyond f32's range ({F32_MAX:.3g}), the dtype the rate is uploaded in",
+                 help="e.g. `--lr 0.05`")
+    for flag, value in (("--resume", opts.resume), ("--resume-weights", opts.resume_weights)):
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+            raise _x("X004", f"{flag} needs a file name, got {'an empty one' if value == '' else repr(value)}",
+                     help=f"give {flag} the checkpoint to read, e.g. `{flag} run.npz`")
     if opts.resume and opts.resume_weights:
         raise _x("X004", "--resume and --resume-weights exclude each other",
                  help="--resume continues a run (its optimizer state, epochs and learning rate too); "
@@ -622,8 +712,10 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
     data_base = setting_dir(spans.get("data"), base_dir)
     inputs = _run_inputs(program, opts, data, data_base)
+    layout = _layout_json(program)
     save = check_output(opts.save, "checkpoint", noun="the checkpoint", origin="--save", inputs=inputs,
-                        replaceable=(opts.resume,)) if opts.save else None
+                        replaceable=(opts.resume,), overwrite=opts.overwrite,
+                        fits=lambda meta: meta.get("layout", layout) == layout) if opts.save is not None else None
     log = _log_output(tv, spans, opts.log, base_dir, inputs)
     check_distinct([save, log])
     run_id = new_run_id()
@@ -635,12 +727,16 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                 lock = OutputLock(out, holder)
                 lock.acquire()
                 locks.append(lock)
+                if out is log:  # appended in place: its inode is the file, whatever its name (hard links)
+                    lock.hold_file()
         if save is not None:
             gone = remove_stale_temps(save.full)
             if gone:
                 echo(f"note: removed {len(gone)} temporary file{'s' if len(gone) != 1 else ''} that a killed run "
                      f"left next to `{save.path}`: {', '.join(gone)}")
-        return _Run(compiled, opts, echo, run_id, seed, epochs, data, data_base, save, log).go()
+        run = _Run(compiled, opts, echo, run_id, seed, epochs, data, data_base, save, log)
+        run.log_lock = next((lk for lk in locks if lk.out is log), None)
+        return run.go()
     finally:
         for lock in reversed(locks):
             lock.release()
@@ -667,8 +763,27 @@ class _Run:
         self.losses: list[float] = []
         self.bar = None
         self.log_f = None
+        self.log_lock = None  # the OutputLock of the log (train sets it), re-held when the log is made anew
+        self.log_ident: tuple[int, int] | None = None  # the log file this run appends to
+        self.save_ident = save.ident if save is not None else None  # the checkpoint file it may replace
+        self.save_lost = False  # another file took the checkpoint's place during the run
+        self.done_epoch = 0  # the last whole epoch (from 1) this run finished
+        self.start_epoch = 0
+        self.t0 = time.perf_counter()
+        self.best: float | None = None  # the lowest train loss of the whole epochs so far (the baseline)
+        self.best_acc: float | None = None  # the highest test accuracy of the whole epochs so far
+        self.weights_meta: tuple[dict, dict] | None = None  # --resume-weights: (parameters, metadata)
 
     # ---- setup
+
+    def load_checkpoints(self) -> None:
+        """--resume or --resume-weights, read and checked (X007, X014) before the data is: a bad
+        checkpoint is reported at once, for what it is, before anything is written."""
+        layout = _checkpoint_layout(self.program)
+        if self.opts.resume:
+            self.resumed = load_for_resume(self.opts.resume, layout, self.opts.data_limit)
+        elif self.opts.resume_weights:
+            self.weights_meta = load_weights(self.opts.resume_weights, self.program, layout, self.opts.data_limit)
 
     def load_data(self):
         m = self.m
@@ -702,7 +817,7 @@ class _Run:
         sched = make_schedule(lname, largs, lkw, total, span, clip_warmup=True)
         self.lr_continues = False
         self.lr_requested = (f"--lr {self.opts.lr:g}" if self.opts.lr is not None else
-                             str(make_schedule(lname, largs, lkw, 10 ** 12, span)))
+                             str(make_schedule(lname, largs, lkw, 10 ** 12, span, check_range=False)))
         if self.resumed is not None:
             old = schedule_from_meta(self.resumed.meta.get("lr"))
             same = isinstance(self.resumed.meta.get("lr"), dict) and \
@@ -710,6 +825,7 @@ class _Run:
             if old is not None and same:
                 sched = old.continued(self.resumed.step, total)
                 self.lr_continues = total != old.total_steps
+                self.lr_planned = old
         if sched.warmup_clipped_from is not None and not (self.resumed and sched.resume):
             self.echo(f"note: the warmup of {sched.warmup_clipped_from} steps is longer than this run "
                       f"({total} steps); it is clipped to {total} steps")
@@ -720,13 +836,11 @@ class _Run:
         --resume-weights (the parameters only)."""
         program, opts = self.program, self.opts
         state = init_params(program, self.seed)
-        layout = _checkpoint_layout(program)
-        if opts.resume:
-            self.resumed = load_for_resume(opts.resume, layout, opts.data_limit)
+        if self.resumed is not None:
             state.update(self.resumed.arrays)
             self.result.history = list(self.resumed.history)
-        elif opts.resume_weights:
-            params, meta = load_weights(opts.resume_weights, program, layout, opts.data_limit)
+        elif self.weights_meta is not None:
+            params, meta = self.weights_meta
             state.update(params)
             bufs = {b.name: b for b in program.buffers}
             for name, init in program.inits:  # EMA and f32 masters start at the loaded parameter
@@ -751,8 +865,17 @@ class _Run:
         self.echo(msg)
         s = self.lr_sched
         if self.lr_continues and self.start_epoch < self.epochs:
-            self.echo(f"note: the learning rate continues from step {r.step} ({s(r.step):.6g}) and now decays "
-                      f"until step {total}, the end of this run")
+            old = self.lr_planned
+            end = s(total)
+            if s.restarted:
+                self.echo(f"note: the learning-rate plan of `{r.path}` had ended at step {old.total_steps} (rate "
+                          f"{old(old.total_steps):.6g}), where going on would train at {end:.6g}; the {total - r.step} "
+                          f"new steps follow {s} stretched to the new end, step {total}: {s(r.step):.6g} at step "
+                          f"{r.step}, decaying to {end:.6g} (docs/data.md, \"Learning-rate schedules\")")
+            else:
+                self.echo(f"note: the learning rate continues the plan of `{r.path}` from step {r.step} "
+                          f"({s(r.step):.6g}) and decays to {end:.6g} at step {total}, the end of this run (the plan "
+                          f"ended at step {old.total_steps})")
         if self.start_epoch >= self.epochs:
             self.result.note = (f"the checkpoint `{r.path}` already holds all {self.epochs} epoch"
                                 f"{'s' if self.epochs != 1 else ''}; give a larger --epochs to train further")
@@ -760,8 +883,42 @@ class _Run:
     # ---- the loop
 
     def go(self) -> TrainResult:
-        opts, program, m = self.opts, self.program, self.m
+        """The run, from its checkpoints and data to its last epoch.  An interrupt at any point
+        (loading the data included) is TrainInterrupted with what the outputs hold."""
+        try:
+            try:
+                self.prepare()
+                if self.log is not None:
+                    self.open_log()
+                self.t0 = time.perf_counter()
+                self.open_bar()
+                opts, runner, threads = self.opts, self.runner, self.result.threads
+                if opts.progress and self.local_total:
+                    self.say(f"run {self.run_id}: model `{self.m.name}` on {runner.name} ({threads} BLAS thread"
+                             f"{'s' if threads != 1 else ''}), epochs {self.start_epoch + 1}-{self.epochs} of "
+                             f"{self.spe} steps")
+                with blas_threads(threads), _quiet_numpy():
+                    self.loop(runner)
+                self.close(report=True)
+            finally:
+                self.close()
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            raise TrainInterrupted(signum, self.interrupted_lines(signum)) from None
+        runner.sync()
+        self.result.params = {n: runner.read(n) for n in self.saved}
+        self.result.steps = self.steps_run
+        self.steps_note()
+        self.result.wall_s = time.perf_counter() - self.t0
+        self.result.races = runner.races
+        return self.result
+
+    def prepare(self) -> None:
+        """Everything before the first step: the checkpoints, the data, the backend, the initial
+        values, the learning-rate plan, the notes."""
+        opts = self.opts
         self.t_start = time.perf_counter()
+        self.load_checkpoints()
         self.load_data()
         runner = make_runner(self.c, opts)
         self.runner = runner
@@ -781,32 +938,8 @@ class _Run:
         if opts.max_steps == 0 and not self.result.note:
             self.result.note = "--steps 0"
         self.local_total = max(0, self.epochs - self.start_epoch) * spe
-        self.best = min((r["train_loss"] for r in self.result.history
-                         if isinstance(r.get("train_loss"), (int, float)) and math.isfinite(r["train_loss"])),
-                        default=None)
-        try:
-            self.log_f = open_log(self.log) if self.log else None
-            self.t0 = time.perf_counter()
-            self.open_bar()
-            if opts.progress and self.local_total:
-                self.say(f"run {self.run_id}: model `{m.name}` on {runner.name} ({threads} BLAS thread"
-                         f"{'s' if threads != 1 else ''}), epochs {self.start_epoch + 1}-{self.epochs} of {spe} "
-                         f"steps")
-            with blas_threads(threads), _quiet_numpy():
-                self.loop(runner)
-            self.close(report=True)
-        except KeyboardInterrupt as exc:
-            raise TrainInterrupted(getattr(exc, "signum", signal.SIGINT), self.interrupted_lines(
-                getattr(exc, "signum", signal.SIGINT))) from None
-        finally:
-            self.close()
-        runner.sync()
-        self.result.params = {n: runner.read(n) for n in self.saved}
-        self.result.steps = self.steps_run
-        self.steps_note()
-        self.result.wall_s = time.perf_counter() - self.t0
-        self.result.races = runner.races
-        return self.result
+        self.done_epoch = self.start_epoch
+        self.baseline()
 
     def loop(self, runner) -> None:
         opts, m, spe = self.opts, self.m, self.spe
@@ -882,7 +1015,10 @@ class _Run:
         bar.  Nothing is read from the device here: the losses are read once per epoch."""
         self.steps_run += 1
         if self.bar is not None:
-            self.bar.update(1)
+            try:
+                self.bar.update(1)
+            except (OSError, ValueError, AttributeError):  # feedback lost, never the run
+                self.bar = None
 
     def check_losses(self, e: int) -> None:
         """Stop (X010) when a step of epoch e had a loss that is not finite, naming that step."""
@@ -892,73 +1028,198 @@ class _Run:
             lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
             raise self.diverged(f"the loss became {el.bad_value} at step {step} (epoch {e + 1}/{self.epochs}){lr_what}")
 
+    def baseline(self) -> None:
+        """The divergence rule's baseline from the resumed history: its best train loss and test
+        accuracy, when they are comparable (the same data and model; a resume onto other data
+        starts a new baseline, since a loss on other data says nothing of this one's)."""
+        hist = self.result.history
+        if self.resumed is not None:
+            meta = self.resumed.meta
+            if meta.get("data", self.ds.name) != self.ds.name or meta.get("model", self.m.name) != self.m.name:
+                hist = []
+
+        def good(r, key):
+            v = r.get(key)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and not r.get("partial")
+
+        self.best = min((r["train_loss"] for r in hist if good(r, "train_loss")), default=None)
+        self.best_acc = max((r["test_acc"] for r in hist if good(r, "test_acc")), default=None)
+
     def end_epoch(self, e: int) -> None:
-        """After epoch e (from 0): its record (evaluated on the test split), the divergence rule,
-        the log line, the checkpoint (whole epochs only), the per-epoch line."""
+        """After epoch e (from 0): its record (evaluated on the test split; `partial` when --steps
+        cut it short), the divergence rule, then the checkpoint (whole epochs only) and the log
+        line together, then the per-epoch line."""
         program, runner, spe = self.program, self.runner, self.spe
         losses = self.losses
+        whole = len(losses) == spe
         params = {n: runner.read(n) for n in self.saved}  # params and state (running statistics)
         step = self.base_step + (e - self.start_epoch) * spe + len(losses)
         rec = {"run": self.run_id, "epoch": e + 1, "step": step,
                "train_loss": losses.mean if len(losses) else float("nan"),
                "lr": self.lr_sched(max(0, min(step - 1, self.lr_sched.total_steps - 1))),
                "time_s": round(time.perf_counter() - self.t0, 3)}
+        if not whole:  # --steps stopped inside it: never saved, and a resume trains it again, whole
+            rec.update(partial=True, epoch_steps=len(losses), steps_per_epoch=spe)
         if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
             rec["loss_scale"] = float(runner.read(program.loss_scale))
-        if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1:
+        if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole:
             t_eval = time.perf_counter()
             tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
             self.result.eval_s += time.perf_counter() - t_eval
             rec.update(test_loss=tl, test_acc=acc)
             if self.ds.kind == "text":  # bytes are the tokens: the loss in bits per byte
                 rec["test_bpb"] = tl / math.log(2)
-        why = divergence(rec["train_loss"], self.best, self.classes) if losses else None
+        lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
+        why = divergence(rec["train_loss"], self.best, self.classes, rec.get("test_acc"), self.best_acc) \
+            if losses else None
+        bad = first_nonfinite(params) if not why else None
+        if bad is not None:  # the loss stayed finite, the state did not: never saved
+            name, idx, v = bad
+            why = f"`{name}` became {v} at index [{', '.join(map(str, idx))}] while the loss stayed finite"
         if why:
             rec["diverged"] = True
-        self.write_log(rec)
-        if why:
-            lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
-            raise self.diverged(f"training diverged in epoch {e + 1}/{self.epochs}{lr_what}: its train loss "
-                                f"{rec['train_loss']:.4g} is {why}")
+            self.write_log(rec)
+            raise self.diverged(f"training diverged in epoch {e + 1}/{self.epochs}{lr_what}: {why}", epoch=e + 1)
         self.result.history.append(rec)
-        if len(losses) == spe and math.isfinite(rec["train_loss"]):
-            self.best = rec["train_loss"] if self.best is None else min(self.best, rec["train_loss"])
-        if self.save and len(losses) == spe:  # only a whole epoch: a resume restarts at the next one
-            self.write_checkpoint(e + 1, step)
+        if whole:
+            self.done_epoch = e + 1
+            if math.isfinite(rec["train_loss"]):
+                self.best = rec["train_loss"] if self.best is None else min(self.best, rec["train_loss"])
+            if isinstance(rec.get("test_acc"), float) and math.isfinite(rec["test_acc"]):
+                self.best_acc = rec["test_acc"] if self.best_acc is None else max(self.best_acc, rec["test_acc"])
+        with _signals_deferred():  # the checkpoint and its log line: both, or an interrupt before both
+            if self.save is not None and whole:  # only a whole epoch: a resume restarts at the next one
+                self.write_checkpoint(e + 1, step, params)
+            self.write_log(rec)
         if self.bar is not None and "test_acc" in rec:
-            self.bar.set_postfix(epoch=e + 1, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
+            try:
+                self.bar.set_postfix(epoch=e + 1, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
+            except (OSError, ValueError, AttributeError):
+                self.bar = None
         if self.opts.progress:
-            line = f"epoch {e + 1}/{self.epochs}: train loss {rec['train_loss']:.4f}"
+            part = "" if whole else f" (partial: {len(losses)} of {spe} steps{', not saved' if self.save else ''})"
+            line = f"epoch {e + 1}/{self.epochs}{part}: train loss {rec['train_loss']:.4f}"
             if "test_acc" in rec:
                 line += f", test loss {rec['test_loss']:.4f}, test accuracy {100 * rec['test_acc']:.2f}%"
             if "test_bpb" in rec:
                 line += f", {rec['test_bpb']:.4f} bits per byte"
             self.say(line + f", {time.perf_counter() - self.epoch_t0:.2f} s")
 
+    def open_log(self) -> None:
+        """Open the log for appending and lock it through its inode (a second name for it, a hard
+        link, is refused to other runs)."""
+        self.log_f = open_log(self.log)
+        fd = self.log_f.fileno()
+        st = os.fstat(fd)
+        self.log_ident = (st.st_dev, st.st_ino)
+        self.log_head = b""
+        self.log_f.flush()  # (a newline that ends a killed run's last line)
+        self.log_seen()
+        if self.log_lock is not None and self.log_lock.file_ident != self.log_ident:
+            if self.log_lock.file_fd is not None:  # the file the lock held is not the one opened
+                os.close(self.log_lock.file_fd)
+                self.log_lock.file_fd = None
+            self.log_lock.hold_file(fd)
+
     def write_log(self, rec: dict) -> None:
+        """Append `rec` to the log, which must still be the file this run opened (outputs.
+        check_unchanged): a log deleted or moved away is made anew, with a note; another file put
+        at its path is X021 and left as it is."""
         if self.log_f is None:
             return
         try:
+            if not self.log_is_ours():
+                self.log_f.close()
+                self.log_f = None
+                self.open_log()
+                self.echo(f"note: the log `{self.log.path}` was deleted or moved during the run; a new one there "
+                          f"holds the records from epoch {rec['epoch']} on")
             self.log_f.write(json.dumps(rec) + "\n")
             self.log_f.flush()
+            self.log_seen()
+        except StreamschedError as e:
+            kept = self.kept()
+            raise StreamschedError([_with_help(d, kept.replace("; the checkpoint", ", then resume: the checkpoint", 1))
+                                    for d in e.diagnostics]) from None
         except OSError as exc:
             raise _x("X021", f"cannot write the log `{self.log.path}`: {exc.strerror or exc}", self.log.span,
-                     help="the lines written before are kept; free space or name another file") from None
+                     help="the lines written before are kept; free space or name another file" + self.kept()) from None
 
-    def write_checkpoint(self, epoch: int, step: int) -> None:
+    def log_seen(self) -> None:
+        """Note the log as this run left it: its size and its first bytes (log_is_ours)."""
+        fd = self.log_f.fileno()
+        self.log_size = os.fstat(fd).st_size
+        if len(getattr(self, "log_head", b"")) < 256:
+            try:
+                self.log_head = os.pread(fd, 256, 0)
+            except OSError:  # a log this user may write but not read: its size and inode only
+                self.log_head = b""
+
+    def log_is_ours(self) -> bool:
+        """Whether the log path still names the file this run appends to, as it left it (the same
+        inode, not shorter, the same first bytes: another file copied over it in place is not);
+        False when it is gone (deleted or moved: made anew).  Raises StreamschedError X021 when
+        another file is there."""
+        fd = self.log_f.fileno()
+        st = os.fstat(fd)
+        head = getattr(self, "log_head", b"")
+        expect = (st.st_dev, st.st_ino)
+        try:
+            now = os.lstat(self.log.full)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            now = None
+        same = now is not None and (now.st_dev, now.st_ino) == expect and stat.S_ISREG(now.st_mode)
+        if same and st.st_size >= getattr(self, "log_size", 0):
+            try:
+                if os.pread(fd, len(head), 0) == head:
+                    return True
+            except OSError:
+                return True
+        # another file is there, or this one was rewritten: never appended to
+        return check_unchanged(self.log, None, help="move that file away")  # X021 naming it (False: gone now)
+
+    def kept(self) -> str:
+        """`; the checkpoint `ck.npz` holds epoch 3: resume with `...`` for a run that stops on an
+        output it cannot write, or ""."""
+        ck = self.good_checkpoint()
+        if not ck:
+            return ""
+        cmd = resume_command(self.opts.argv, ck[0])
+        return f"; the checkpoint `{ck[0]}` holds epoch {ck[1]}" + (f": resume with `{cmd}`" if cmd else "")
+
+    def write_checkpoint(self, epoch: int, step: int, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Write the checkpoint of whole epoch `epoch` (absolute step `step`) over the file this run
+        may replace (outputs.check_unchanged: the one it wrote last, or the one it was allowed at
+        the start, or nothing; another file put there during the run is X021 and kept)."""
         program, m = self.program, self.m
-        arrays = {n: self.runner.read(n) for n in self.saved}
-        layout = {n: [list(shape), np.dtype(dt).name if dt is not None else "bf16"]
-                  for n, (shape, dt) in _checkpoint_layout(program).items()}
+        if arrays is None:
+            arrays = {n: self.runner.read(n) for n in self.saved}
+        layout = _layout_json(program)
         meta = {"run": self.run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": m.name,
                 "program": program.text_hash, "data": self.ds.name, "seed": self.seed, "epoch": epoch,
                 "epochs": self.epochs, "step": step, "steps_per_epoch": self.spe,
                 "lr": lr_meta(self.lr_sched, self.lr_requested), "layout": layout,
                 "history": [_json_safe(r) for r in self.result.history]}
+        from streamsched.interp.checkpoint import checkpoint_meta
+
+        held = self.saved_epoch or (self.resumed.epochs_done if self.resumed and same_file(self.resumed.path,
+                                                                                           self.save.full) else 0)
+        gone = f"; the checkpoint of epoch {held} that was there is gone" if held else ""
+        logged = f" (the log `{self.log.path}` holds the records of every finished epoch)" if self.log else ""
+        try:
+            check_unchanged(self.save, self.save_ident,
+                            ours=lambda p: (checkpoint_meta(p) or {}).get("run") == self.run_id,
+                            help=f"move that file away, then run again{gone}{logged}")
+        except StreamschedError:
+            self.save_lost = True
+            raise
         try:
             with _signals_deferred():  # what the file holds and what an interrupt reports stay one
                 save_checkpoint(self.save.full, arrays, meta)
                 self.saved_epoch = epoch
+                self.save_ident = file_stamp(os.lstat(self.save.full))
         except OSError as exc:
             raise _x("X021", f"cannot write the checkpoint `{self.save.path}` after epoch {epoch}: "
                      f"{exc.strerror or exc}",
@@ -969,24 +1230,93 @@ class _Run:
 
     def good_checkpoint(self) -> tuple[str, int] | None:
         """The latest checkpoint of this run's state: (path, whole epochs it holds), or None."""
-        if self.save is not None and self.saved_epoch is not None:
+        if self.save is not None and self.saved_epoch is not None and not self.save_lost:
             return self.save.path, self.saved_epoch
-        if self.resumed is not None and os.path.exists(self.resumed.path):
+        gone = self.save is not None and (self.save_lost or self.saved_epoch is not None)
+        if self.resumed is not None and os.path.exists(self.resumed.path) and not (
+                gone and same_file(self.resumed.path, self.save.full)):
             return self.resumed.path, self.resumed.epochs_done
         return None
 
-    def diverged(self, what: str) -> StreamschedError:
-        """X010 for a run that diverged: names the last good checkpoint, and the help gives the
-        command that resumes from it with a lower learning rate (a tenth of --lr when the rate came
-        from the command line; the train block's `lr` is the user's to lower)."""
+    def lost_epochs(self, ck: tuple[str, int] | None) -> str:
+        """What a stop loses: ` epochs 4-27 of this run are in no checkpoint: ...`, or ""."""
+        held = ck[1] if ck else 0
+        if self.done_epoch <= max(held, self.start_epoch):
+            return ""
+        first = max(held, self.start_epoch) + 1
+        span = f"epoch {first}" if first == self.done_epoch else f"epochs {first}-{self.done_epoch}"
+        why = "no --save was given" if self.save is None else f"`{self.save.path}` could not be written"
+        return f"{span} of this run {'is' if first == self.done_epoch else 'are'} in no checkpoint ({why})"
+
+    def data_outlier(self) -> tuple[float, tuple[int, ...]] | None:
+        """The largest training feature and its index when it is over DATA_HINT in magnitude, the
+        scale past which the data, not the rate, is the likely cause of a blow-up."""
+        x = self.ds.x_train
+        if x.size == 0:
+            return None
+        with np.errstate(invalid="ignore"):
+            flat = np.abs(x.reshape(-1))
+            i = int(np.nanargmax(flat)) if np.isfinite(flat).any() else 0
+        v = float(flat[i])
+        if not v > DATA_HINT:
+            return None
+        return float(x.reshape(-1)[i]), tuple(int(j) for j in np.unravel_index(i, x.shape))
+
+    def diverged(self, what: str, epoch: int | None = None) -> StreamschedError:
+        """X010 for a run that diverged: names the last checkpoint (and whether it is the run's best
+        epoch), and the help gives the command that resumes from it with a lower learning rate (a
+        tenth of --lr when the rate came from the command line; the train block's `lr` is the
+        user's to lower).  A rate of 0 is never blamed (nor suggested): the weights did not move,
+        so the data (caret on `data`) or the initial weights made the loss; data with features far
+        beyond the usual scale gets a note either way."""
         ck = self.good_checkpoint()
         lr = self.opts.lr
         argv = self.opts.argv
+        k0 = self.base_step + getattr(self, "epoch_first", 0)
+        rates = [self.lr_sched(k) for k in range(k0, k0 + max(1, len(self.losses)))]
+        zero_rate = max(rates, default=0.0) == 0.0
+        outlier = self.data_outlier() if hasattr(self, "ds") else None
+        notes = []
+        if outlier is not None:
+            v, idx = outlier
+            notes.append(f"the training features reach {v:.3g} (`x_train` at [{', '.join(map(str, idx))}]); features "
+                         f"that large make the loss blow up at any rate")
         if lr is not None and argv:
             argv = _without_option(argv, "--lr") + ("--lr", f"{lr / 10:g}")
         lower = "lower `lr` in the train block" if lr is None else f"use a lower rate, e.g. `--lr {lr / 10:g}`"
+        where = ""
         if ck:
-            where = f"; the last good checkpoint is `{ck[0]}` (epoch {ck[1]}), no checkpoint of this epoch was written"
+            rec = next((r for r in self.result.history if r.get("epoch") == ck[1] and not r.get("partial")), {})
+            best = self.best_acc
+            acc = rec.get("test_acc")
+            if isinstance(acc, float) and best is not None and acc < best - 0.01:
+                best_ep = max((r for r in self.result.history if r.get("test_acc") == best), key=lambda r: r["epoch"],
+                              default={}).get("epoch")
+                where = (f"; the last checkpoint is `{ck[0]}` (epoch {ck[1]}, test accuracy {100 * acc:.2f}%; the best "
+                         f"epoch{f' ({best_ep})' if best_ep else ''} had {100 * best:.2f}%), no checkpoint of this "
+                         "epoch was written")
+            else:
+                where = f"; the last good checkpoint is `{ck[0]}` (epoch {ck[1]}), no checkpoint of this epoch was written"
+            lost = self.lost_epochs(ck)
+            if lost:
+                where += f"; {lost}"
+        else:
+            where = "; no checkpoint was written" + (" (none was asked for: --save FILE keeps the last good epoch)"
+                                                     if self.save is None else "")
+        if zero_rate or outlier is not None:  # the data, not the rate, is the suspect: the caret is on `data`
+            dspan = self.spans.get("data")
+            msg = f"{what}; stopping{where}"
+            if zero_rate:
+                msg += ("; the learning rate was 0, so the weights did not move: the loss comes from the data and the "
+                        "initial weights, not from the rate")
+            if outlier is not None:
+                help_ = "scale the data: every feature should be a finite number of about [-1, 1] or [0, 1]"
+                if not zero_rate:
+                    help_ += f", then train again (if the data is as meant, {lower})"
+            else:
+                help_ = "check the data and the model's initial values (`init`)"
+            return StreamschedError([Diagnostic("X010", msg, dspan, help=help_, notes=tuple(notes))])
+        if ck:
             cmd = resume_command(argv, ck[0])
             if cmd:
                 help_ = (f"lower `lr` in the train block, then resume from it: `{cmd}`" if lr is None else
@@ -994,11 +1324,10 @@ class _Run:
             else:
                 help_ = f"{lower}, then resume from `{ck[0]}`"
         else:
-            where = "; no checkpoint was written" + (" (none was asked for: --save FILE keeps the last good epoch)"
-                                                     if self.save is None else "")
             help_ = lower
         lr_span = None if lr is not None else self.spans.get("lr")
-        return _x("X010", f"{what}; stopping{where}", lr_span, help=help_)
+        return StreamschedError([Diagnostic("X010", f"{what}; stopping{where}", lr_span, help=help_,
+                                            notes=tuple(notes))])
 
     def interrupted_lines(self, signum: int) -> list[str]:
         try:
@@ -1016,9 +1345,12 @@ class _Run:
                 lines.append(f"  {cmd}")
         elif self.save is not None:
             lines.append(f"no epoch finished, so nothing was written to `{self.save.path}`; run the same command "
-                         "again to start over")
+                         "again" + ("" if self.opts.resume else " to start over"))
         else:
             lines.append("no checkpoint was written: give --save FILE to be able to resume")
+        lost = self.lost_epochs(ck)
+        if lost:
+            lines.append(lost[0].upper() + lost[1:] + ": they are lost")
         if self.log is not None:
             lines.append(f"the log `{self.log.path}` holds every finished epoch")
         return lines
@@ -1050,10 +1382,15 @@ class _Run:
             self.bar = None
 
     def say(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            self.echo(line)
+        """A feedback line (above the progress bar when there is one); feedback that cannot be
+        written is dropped, it never stops the run."""
+        try:
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            else:
+                self.echo(line)
+        except (OSError, ValueError, AttributeError):
+            self.bar = None
 
     def close(self, report: bool = False) -> None:
         """Close the bar and the log; report: a failure to close the log (a full disk shows at the
@@ -1062,7 +1399,10 @@ class _Run:
         if pool is not None:  # the staging thread (it may be gathering an epoch nobody will run)
             pool.shutdown(wait=False, cancel_futures=True)
         if self.bar is not None:
-            self.bar.close()
+            try:
+                self.bar.close()
+            except (OSError, ValueError, AttributeError):
+                pass
             self.bar = None
         if self.log_f is not None:
             f, self.log_f = self.log_f, None
@@ -1093,6 +1433,9 @@ def _without_option(argv: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+_DEFERRED = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
 @contextmanager
 def _signals_deferred():
     """SIGINT and SIGTERM that arrive during the block take effect when it is done (their handlers
@@ -1102,7 +1445,7 @@ def _signals_deferred():
     got: list[int] = []
     old = {}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _DEFERRED:
             old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
     except ValueError:  # not the main thread
         for sig, h in old.items():
