@@ -1,6 +1,6 @@
 """Step time of one training step (forward, backward, SGD with momentum 0.9; gpt_text: clipping
-and AdamW): streamsched's CUDA backend against PyTorch, on one GPU, in one process, with the same model, data and initial
-weights for every variant.
+and AdamW): streamsched's CUDA backend against PyTorch, on one GPU, in one process, with the same
+model, data and initial weights for every variant.
 
     python benchmarks/step_time.py [--json benchmarks/results/h200.json] [--md table.md]
                                    [--steps 300] [--reps 5] [--check-steps 20]
@@ -44,7 +44,7 @@ clip_grad_norm_(1.0), AdamW(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1) over 
 from streamsched's initial weights.  tests/test_cuda_gpt_torch.py checks that twin step by step.
 Its variants: torch_eager (AdamW foreach), torch_graph (the whole step, clipping and
 AdamW(capturable, foreach) included, in one torch.cuda.graph), torch_graph_fused (the same with
-fused AdamW), torch_compile_graph (the strongest configuration measured on the H200:
+fused AdamW), torch_compile_graph (PyTorch's strongest configuration on the H200's MLP steps:
 torch.compile(model, mode="max-autotune-no-cudagraphs") inside a whole-step torch.cuda.graph with
 fused AdamW; run last, in a process of its own killed after --peer-budget seconds; --no-compile
 skips it), and the streamsched variants below.  The ratio `vs_strongest` is against the fastest
