@@ -1,13 +1,14 @@
-"""Step time of one training step (forward, backward, SGD with momentum 0.9): streamsched's CUDA
-backend against PyTorch, on one GPU, in one process, with the same model, data and initial
-weights for every variant.
+"""Step time of one training step (forward, backward, SGD with momentum 0.9; gpt_text: clipping
+and AdamW): streamsched's CUDA backend against PyTorch, on one GPU, in one process, with the same
+model, data and initial weights for every variant.
 
     python benchmarks/step_time.py [--json benchmarks/results/h200.json] [--md table.md]
                                    [--steps 300] [--reps 5] [--check-steps 20]
                                    [--models mlp784_b128,mlp784_b2048,mlp_digits,resnet_digits,
-                                             resnet_digits_amp]
+                                             resnet_digits_amp,gpt_text]   (default: all but gpt_text)
                                    [--captures none,graphs,step]
-                                   [--compile-budget 150] [--no-compile] [--trace-dir DIR]
+                                   [--compile-budget 150] [--no-compile] [--peer-budget 360]
+                                   [--trace-dir DIR]
 
 Models: an MLP 784-1024-1024-10 in fp32 at batch 128 and 2048 (the .sched text is generated
 here: linear, relu, linear, relu, linear, softmax_cross_entropy; random data written to an npz
@@ -32,6 +33,26 @@ torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler(init_scale=655
 (dropout p = 0, as resnet_digits) reports every variant's relative difference to PyTorch eager
 and the loss scale after the check steps; differences above 5e-2 are flagged (printed and listed
 in the JSON), never failed: f16 rounding differs between cuDNN/autocast and streamsched's kernels.
+
+gpt_text is examples/gpt_text.sched (a two-block pre-norm GPT, width 64, 4 heads, context 64,
+batch 16, byte vocabulary; clipping by global norm 1.0 and AdamW on the update stream).  Its
+static batch is the first batch a run of the file trains on (text windows of Python's standard
+library), its learning rate the schedule's peak (0.003) held constant, and its PyTorch side the
+twin of benchmarks/gpt_twin.py (nn.Embedding, nn.LayerNorm, nn.Linear with streamsched's [in, out]
+weights transposed, F.scaled_dot_product_attention(is_causal=True), tanh GELU, F.cross_entropy,
+clip_grad_norm_(1.0), AdamW(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1) over every parameter),
+from streamsched's initial weights.  tests/test_cuda_gpt_torch.py checks that twin step by step.
+Its variants: torch_eager (AdamW foreach), torch_graph (the whole step, clipping and
+AdamW(capturable, foreach) included, in one torch.cuda.graph), torch_graph_fused (the same with
+fused AdamW), torch_compile_graph (PyTorch's strongest configuration on the H200's MLP steps:
+torch.compile(model, mode="max-autotune-no-cudagraphs") inside a whole-step torch.cuda.graph with
+fused AdamW; run last, in a process of its own killed after --peer-budget seconds; --no-compile
+skips it), and the streamsched variants below.  The ratio `vs_strongest` is against the fastest
+of the three graphed PyTorch variants (`strongest_torch`).  ss_step_*_replay leave out the host
+upload of AdamW's step count, so their loss is reported but not compared (`not_compared`).
+With --trace-dir: gated timelines of its step on five streams and on one, and how long the forks
+overlapped (`forks`: the Q, K, V GEMMs, attention's backward dv/dp/ds/dk/dq, each layer norm's
+dx/dgamma/dbeta).
 
 Variants:
   torch_eager          nn.Sequential, F.cross_entropy, SGD(foreach=True, momentum=0.9),
@@ -251,6 +272,14 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
                 f.write(dropout_text(text, 0.0))
             with open(p0.replace(".sched", "_one_stream.sched"), "w") as f:
                 f.write(one_stream_text(dropout_text(text, 0.0)))
+        elif name == "gpt_text":
+            d = os.path.join(tmp, name)
+            os.makedirs(d, exist_ok=True)
+            five = os.path.join(ROOT, "examples", "gpt_text.sched")
+            with open(five) as f:
+                text = f.read()
+            gspec, xb, yb = gpt_static(five)
+            batch, lr, classes = gspec["batch"], gspec["lr_peak"], gspec["classes"]
         else:
             raise SystemExit(f"unknown model {name}")
         one = os.path.join(d, f"{name}_one_stream.sched")
@@ -261,11 +290,24 @@ def prepare_models(names: list[str], tmp: str) -> dict[str, dict]:
         if name.startswith("mlp784_b"):
             out[name]["five_nozero"] = nz
             out[name]["one_nozero"] = nz.replace(".sched", "_one_stream.sched")
+        if name == "gpt_text":
+            out[name].update({"kind": "gpt", "gpt": gspec})
         if name in ("resnet_digits", "resnet_digits_amp"):
             out[name].update({"kind": "resnet_amp" if name.endswith("_amp") else "resnet",
                               "weight_decay": 1e-4, "dropout": dropout,
                               "five_p0": p0, "one_p0": p0.replace(".sched", "_one_stream.sched")})
     return out
+
+
+def gpt_static(path: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The GPT file's twin spec (gpt_twin.gpt_spec) and its static batch: the first batch a run
+    of it trains on (the text windows of its data line, in the run's order), as i32."""
+    from gpt_twin import gpt_spec, run_batches
+    from streamsched.pipeline import compile_file
+
+    c = compile_file(path, capture="none")
+    ((x, y),), _ = run_batches(c, os.path.dirname(os.path.abspath(path)), 1)
+    return gpt_spec(c), np.ascontiguousarray(x, dtype=np.int32), np.ascontiguousarray(y, dtype=np.int32)
 
 
 def dropout_text(text: str, p: float) -> str:
@@ -425,6 +467,9 @@ def torch_variants(spec, init, layers, args, device="cuda", dropout=None, check_
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if spec.get("kind") == "gpt":
+        yield from torch_gpt_variants(spec, init, args, device, check_only)
+        return
     if spec.get("kind") == "resnet_amp":
         yield from torch_amp_variants(spec, init, layers, args, device, dropout, check_only)
         return
@@ -531,6 +576,44 @@ def torch_variants(spec, init, layers, args, device="cuda", dropout=None, check_
         yield "torch_compile", res
     except Exception as exc:
         yield "torch_compile", {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def torch_gpt_variants(spec, init, args, device="cuda", check_only=False):
+    """The GPT's PyTorch twin (benchmarks/gpt_twin.py: nn.LayerNorm, F.scaled_dot_product_attention,
+    tanh GELU, clip_grad_norm_, AdamW with the file's settings, streamsched's initial weights) on
+    the static batch at the constant learning rate spec["lr"]: eager (AdamW foreach), the whole
+    step in one torch.cuda.graph (AdamW capturable foreach, then fused).  The strongest
+    configuration is `gpt_peer`, run last."""
+    import torch
+
+    import gpt_twin as gt
+
+    g = spec["gpt"]
+    x = torch.from_numpy(spec["x"].astype(np.int64)).to(device)
+    y = torch.from_numpy(spec["y"].astype(np.int64)).to(device)
+    kw = {"steps": args.steps, "reps": args.reps, "warmup": args.warmup, "check_steps": args.check_steps,
+          "device": device, "check_only": check_only}
+    for name, fn, extra in (("torch_eager", gt.torch_eager, {}), ("torch_graph", gt.torch_graph, {}),
+                            ("torch_graph_fused", gt.torch_graph, {"fused": True})):
+        try:
+            yield name, fn(g, init, x, y, spec["lr"], **kw, **extra)
+        except Exception as exc:
+            traceback.print_exc()
+            yield name, {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def gpt_peer(spec, init, args) -> dict:
+    """The strongest PyTorch configuration of the GPT, torch_compile_graph: torch.compile(model,
+    mode="max-autotune-no-cudagraphs") inside a whole-step torch.cuda.graph with fused AdamW, in
+    a process of its own (gpt_twin.peer_subprocess) killed after --peer-budget seconds; run last
+    (`run`), after every other variant and the timelines, so that a compile of minutes costs
+    nothing else.  {"skipped": ...} under --no-compile."""
+    import gpt_twin as gt
+
+    if args.no_compile:
+        return {"skipped": "--no-compile"}
+    return gt.peer_subprocess(spec["gpt"], init, spec["x"], spec["y"], spec["lr"], steps=args.steps, reps=args.reps,
+                              warmup=args.warmup, check_steps=args.check_steps, budget_s=args.peer_budget)
 
 
 AMP_LOSS_TOL = 5e-2  # relative loss difference flagged (not failed) for the f16 model
@@ -767,6 +850,11 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
             gpu.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.steps)
             host.append((b - a) * 1e6 / args.steps)
         res = {"loss_after_check": loss, **amp}
+        stale = sorted({t.attr("name") for t in c.schedule.tasks
+                        if t.kernel == "set_scalar" and t.attr("name") != "lr"})
+        if replay_only and stale:  # e.g. AdamW's step count: the replay re-reads the last upload
+            res["loss_not_compared"] = (f"host uploads of {', '.join(stale)} left out with the host tasks: the "
+                                        f"replayed steps reuse stale values (AdamW's bias correction)")
         res.update(_stats(gpu, host))
         nodes: dict[str, int] = {}
         for cu in ex.graphs.values():
@@ -808,11 +896,12 @@ def run(args) -> dict:
         "config": {"steps": args.steps, "reps": args.reps, "warmup": args.warmup,
                    "check_steps": args.check_steps, "tf32": False,
                    "dtype": "fp32 (resnet_digits_amp: mixed f16/f32, see its `precision`)",
-                   "optimizer": "SGD momentum 0.9", "statistic": "median over reps of "
+                   "optimizer": "SGD momentum 0.9 (gpt_text: see its row's `optimizer`)", "statistic": "median over reps of "
                    "(CUDA-event time of `steps` steps / steps)"},
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "models": {},
     }
+    deferred: dict[str, dict] = {}  # gpt models: name -> initial values, for the peer run last
     for name, spec in specs.items():
         init, layers = initial_weights(spec["five"])
         row: dict = {"batch": spec["batch"], "lr": spec["lr"],
@@ -822,6 +911,17 @@ def run(args) -> dict:
             row.update({"weight_decay": spec["weight_decay"], "dropout": spec["dropout"],
                         "torch_layout": "NCHW (cuDNN), nn.BatchNorm2d, nn.Dropout",
                         "loss_check_dropout": 0.0})
+        if spec.get("kind") == "gpt":
+            gs = spec["gpt"]
+            row["layers"] = {k: gs[k] for k in ("layers", "width", "heads", "context", "hidden", "vocab", "classes")}
+            a = gs["adamw"][0]
+            row.update({"optimizer": f"AdamW(betas=({a['beta1']}, {a['beta2']}), eps={a['eps']}, weight_decay="
+                                     f"{a['weight_decay']}, every parameter) after clipping by global norm "
+                                     f"{gs['clip']}; lr constant at the schedule's peak",
+                        "torch_twin": "benchmarks/gpt_twin.py: nn.Embedding, nn.LayerNorm, nn.Linear, "
+                                      "F.scaled_dot_product_attention(is_causal=True), F.gelu(tanh), "
+                                      "clip_grad_norm_, torch.optim.AdamW",
+                        "static_batch": "the run's first batch of text windows"})
         if spec.get("kind") == "resnet_amp":
             row.update({"precision": "mixed: f16 compute, f32 master weights (streamsched: sgd_amp "
                                      "state; PyTorch: fp32 params under torch.autocast(float16)), "
@@ -875,10 +975,28 @@ def run(args) -> dict:
                 print(f"  {vname:22s} {json.dumps({k: v for k, v in res.items() if not k.endswith('_reps')})}",
                       flush=True)
         summarize_model(name, row, args.check_steps)
+        if spec.get("kind") == "gpt":
+            deferred[name] = init
         if args.json:
             _write_json(args.json, out)
     if args.trace_dir:
         out["timelines"] = timelines(specs, args.trace_dir)
+        if args.json:
+            _write_json(args.json, out)
+    for name, init in deferred.items():  # last: its compile can take minutes (--peer-budget)
+        print(f"== {name}: torch_compile_graph (budget {args.peer_budget:.0f} s)", flush=True)
+        row = out["models"][name]
+        try:
+            res = gpt_peer(specs[name], init, args)
+        except Exception as exc:
+            traceback.print_exc()
+            res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        row["variants"]["torch_compile_graph"] = res
+        print(f"  {'torch_compile_graph':22s} {json.dumps({k: v for k, v in res.items() if not k.endswith('_reps')})}",
+              flush=True)
+        summarize_model(name, row, args.check_steps)
+        if args.json:
+            _write_json(args.json, out)
     return out
 
 
@@ -887,7 +1005,7 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
     v = row["variants"]
     g = {k: r.get("gpu_us") for k, r in v.items()}
     key = "loss_after_check_p0" if any("loss_after_check_p0" in r for r in v.values()) else "loss_after_check"
-    losses = {k: r[key] for k, r in v.items() if key in r}
+    losses = {k: r[key] for k, r in v.items() if key in r and "loss_not_compared" not in r}
     ref = losses.get("torch_eager")
     row["loss_check"] = {
         "steps": check_steps, "reference": "torch_eager", "losses": losses,
@@ -895,6 +1013,9 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
         "max_rel_diff": max((abs(l - ref) / abs(ref) for l in losses.values()), default=None)
         if ref else None,
     }
+    skipped = {k: r["loss_not_compared"] for k, r in v.items() if "loss_not_compared" in r}
+    if skipped:
+        row["loss_check"]["not_compared"] = skipped
     if "loss_check_tolerance" in row:  # AMP: f16-level differences are reported, not failed
         lc = row["loss_check"]
         lc["rel_diffs"] = {k: abs(l - ref) / abs(ref) for k, l in losses.items()} if ref else {}
@@ -910,6 +1031,12 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
         k: {"vs_torch_graph": ratio(g[k], g.get(gref)), "vs_torch_eager": ratio(g[k], g.get("torch_eager"))}
         for k in v if g.get(k)
     }
+    if name == "gpt_text":  # the strongest PyTorch configuration measured, by GPU time
+        strong = min((k for k in ("torch_graph", "torch_graph_fused", "torch_compile_graph") if g.get(k)),
+                     key=lambda k: g[k], default=None)
+        row["strongest_torch"] = strong
+        for k in row["ratios"]:
+            row["ratios"][k]["vs_strongest"] = ratio(g[k], g.get(strong)) if strong else None
     row["ratios"]["ss_step_five_vs_ss_step_one"] = ratio(g.get("ss_step_five"), g.get("ss_step_one"))
     row["ratios"]["ss_graphs_five_vs_ss_graphs_one"] = ratio(g.get("ss_graphs_five"), g.get("ss_graphs_one"))
     row["ratios"]["ss_step_five_replay_vs_ss_step_one_replay"] = ratio(g.get("ss_step_five_replay"),
@@ -936,6 +1063,9 @@ def timelines(specs, trace_dir: str) -> dict:
     os.makedirs(trace_dir, exist_ok=True)
     out = {}
     for name, spec in specs.items():
+        if name == "gpt_text":
+            out.update(gpt_timelines(spec, trace_dir))
+            continue
         if not name.startswith("mlp784"):
             continue
         for streams in ("five", "one"):
@@ -951,6 +1081,31 @@ def timelines(specs, trace_dir: str) -> dict:
     return out
 
 
+def gpt_timelines(spec, trace_dir: str) -> dict:
+    """Gated eager timelines of the GPT step on five streams and on one (Chrome trace and PNG of
+    the second traced step each): the per-stream busy time and span, and how long the forked
+    parts ran at the same time (gpt_twin.fork_overlaps: the Q, K, V GEMMs, attention's and
+    layer norm's backward parts), in microseconds."""
+    import gpt_twin as gt
+    from streamsched.interp.cuda.trace import trace
+
+    out = {}
+    for streams in ("five", "one"):
+        key = f"gpt_text_{streams}"
+        try:
+            c = compile_steady(spec[streams], "none")
+            base = os.path.join(trace_dir, f"timeline_{key}")
+            res = trace(c, base + ".json", png=base + ".png", steps=2, lr=spec["lr"])
+            out[key] = {**res["summary"]["steps"]["2"], "forks": gt.fork_overlaps(res["records"], step=2),
+                        "files": [base + ".json", base + ".png"]}
+            print(f"  timeline {key}: span {out[key]['span_us']} us, forks {json.dumps(out[key]['forks'])}",
+                  flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            out[key] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def _write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
@@ -958,7 +1113,8 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-ORDER = ["torch_eager", "torch_graph", "torch_graph_partial", "torch_compile", "ss_none_five", "ss_none_one", "ss_graphs_five",
+ORDER = ["torch_eager", "torch_graph", "torch_graph_fused", "torch_graph_partial", "torch_compile",
+         "torch_compile_graph", "ss_none_five", "ss_none_one", "ss_graphs_five",
          "ss_graphs_one", "ss_step_five", "ss_step_one", "ss_step_five_replay", "ss_step_one_replay",
          "ss_step_five_nozero", "ss_step_one_nozero"]
 
@@ -984,6 +1140,13 @@ def markdown(out: dict) -> str:
                          f"{_f(rr.get('vs_torch_eager'))} | {lc if isinstance(lc, str) else f'{lc:.7g}'} |")
         lc = row["loss_check"]["max_rel_diff"]
         lines.append(f"\nLoss check: max relative difference to PyTorch eager {lc:.2e}." if lc is not None else "")
+        for k, why in row["loss_check"].get("not_compared", {}).items():
+            lines.append(f"(loss of {k} not compared: {why}.)")
+        if row.get("strongest_torch"):
+            st = row["strongest_torch"]
+            lines.append(f"Against the strongest PyTorch configuration measured ({st}): " + ", ".join(
+                f"{k} × {_f(row['ratios'][k]['vs_strongest'])}" for k in ORDER
+                if k.startswith("ss_") and row["ratios"].get(k, {}).get("vs_strongest") is not None) + ".")
         if row.get("torch_graph_reference"):
             lines.append(f"(× PyTorch CUDA graph is against {row['torch_graph_reference']}; loss tolerance "
                          f"{row['loss_check'].get('tolerance')}, flagged: {row['loss_check'].get('flagged') or 'none'}.)")
@@ -1010,8 +1173,12 @@ def main() -> None:
                     help="the streamsched capture modes to run (comma-separated)")
     ap.add_argument("--compile-budget", type=float, default=100.0,
                     help="seconds of torch.compile time, all models together, before skipping it")
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--trace-dir", default="", help="also write gated timelines of the MLP 784 steps here")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (torch_compile, torch_compile_graph)")
+    ap.add_argument("--peer-budget", type=float, default=360.0,
+                    help="seconds the gpt_text strongest-peer variant (torch.compile max-autotune inside a whole-step "
+                         "CUDA graph, fused AdamW; compile and timing) may take in its own process before it is killed")
+    ap.add_argument("--trace-dir", default="",
+                    help="also write gated timelines of the MLP 784 and gpt_text steps here")
     args = ap.parse_args()
     args.compile_spent = 0.0
     sys.path.insert(0, os.path.join(ROOT, "src"))
