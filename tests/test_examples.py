@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -74,9 +75,13 @@ FORWARD = {
     "seed_step.sched": _resnet,
     "swish_mlp.sched": _mlp(_swish, _swish),
     "gpt_text.sched": lambda p, x: np.concatenate([gpt_logits(p, x[i:i + 256]) for i in range(0, len(x), 256)]),
+    # the same GPT through `op block` and `repeat`: `h.1.q.w` is gpt_text's `q1.w`
+    "gpt_blocks.sched": lambda p, x: FORWARD["gpt_text.sched"](
+        {re.sub(r"^h\.(\d+)\.([a-z])\.", r"\2\1.", k): v for k, v in p.items()}, x),
 }
 DATA = {  # the examples' `data = ...`, when it is not digits(test = 0.2, seed = 0)
     "gpt_text.sched": ("text", ("<python-stdlib>",), {"context": 64, "test": 0.02}),
+    "gpt_blocks.sched": ("text", ("<python-stdlib>",), {"context": 64, "test": 0.02}),
 }
 
 

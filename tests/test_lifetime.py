@@ -8,6 +8,7 @@ disagree.  The file cases below are the adversarial constructions a user writes.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -203,5 +204,7 @@ def test_check_cli_exit_status_on_r005(tmp_path):
     ops, lines, _ = CASES["two_users"]
     p = tmp_path / "two.sched"
     p.write_text(STREAMS + ops + _model(lines) + REST, encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "streamsched", "check", str(p)], capture_output=True, text=True)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "streamsched", "check", str(p)], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "error[R005]" in r.stderr and "Traceback" not in r.stderr

@@ -240,10 +240,17 @@ class InputDecl:
 
 @dataclass(frozen=True)
 class OpUse:
+    """A model line `targets = call clauses`; `repeat` (`out = repeat N block(x)`) the number of
+    chained instances of a block, None for a plain line; `path` where an inlined block line came
+    from, outermost first: (scope, name an `after` uses there, insertion point), empty for a
+    line the user wrote in the model (dsl/compose.py)."""
+
     targets: tuple[Name, ...]
     call: Call
     clauses: Clauses
     span: Span | None = _span()
+    repeat: Expr | None = None
+    path: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)

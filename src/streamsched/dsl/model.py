@@ -69,7 +69,8 @@ class _ModelExpander:
         self.m, self.slot_inputs = m, slot_inputs
         self.env: dict[str, Any] = {}  # the model's parameters (`model mlp(hidden = 32)`), constants
         self.values: dict[str, str] = {}  # model value name -> buffer name
-        self.poisoned: set[str] = set()  # values a failed line would have made: their uses stay quiet
+        # values a failed line would have made (here, or while its block was inlined): their uses stay quiet
+        self.poisoned: set[str] = set(getattr(scope, "poisoned_values", ()))
         self.params: list[str] = []  # parameter buffers, in line order
         self.evals: list[TaskTemplate] = []  # the forward as evaluation runs it (NAME.eval ops)
 
@@ -98,7 +99,9 @@ class _ModelExpander:
                 calls.append(self.call(st, fwd, len(calls)))
                 # `after` on model lines names model values: tasks answer to their value's name
                 for i in range(first, len(fwd)):
-                    site = replace(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail)
+                    path = st.path or (("", st.targets[0].id, st.clauses.tail),)
+                    site = replace(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail,
+                                   line_path=path)
                     fwd[i] = replace(fwd[i], stmt=st.targets[0].id, site=site)
                 self.eval_form(calls[-1], fwd[first:])
                 deps: list[int] = []

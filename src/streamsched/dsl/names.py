@@ -218,6 +218,9 @@ def check_ops(scope: Scope, streams: Streams) -> None:
                         help=f"add a statement `{o.name.id} = ...` to its body")
             _check_signature(scope, op)
             defined = {p.name.id for p in op.params}
+            composite = any(isinstance(st.expr, A.Call) and st.expr.func.id in scope.ops
+                            and st.expr.func.id not in scope.kernels
+                            and st.expr.func.id not in getattr(scope, "kernel_defs", {}) for st in op.body)
             for st in op.body:
                 if st.clauses.on is not None:
                     streams.stream(st.clauses.on, False)
@@ -230,7 +233,8 @@ def check_ops(scope: Scope, streams: Streams) -> None:
                         help="`into` names a parameter or an earlier result of the same op")
                 for t in st.targets:
                     defined.add(t.id)
-                _check_kernel_names(scope, st.expr)
+                if not composite:  # a block's statements call ops (dsl/compose.py checks them where used)
+                    _check_kernel_names(scope, st.expr)
         except _Abort:
             continue
 

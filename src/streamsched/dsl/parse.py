@@ -279,6 +279,11 @@ class _ToAst(Transformer):
         return A.OpUse(ch[0], ch[1], self._clauses(ch[2:], ch[:2]), self._sp(meta))
 
     @v_args(meta=True)
+    def op_repeat(self, meta, ch):
+        targets, count, call, *cl = ch
+        return A.OpUse(targets, call, self._clauses(cl, (targets, call)), self._sp(meta), repeat=count)
+
+    @v_args(meta=True)
     def model_def(self, meta, ch):
         name, params, *body = ch
         return A.ModelDef(name, params or (), tuple(body), self._sp(meta))

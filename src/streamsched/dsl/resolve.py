@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from streamsched.diagnostics import SourceCache, StreamschedError
 from streamsched.dsl.backward import SEED, derive_backward, grad_name
+from streamsched.dsl.compose import inline_model
 from streamsched.dsl.graphs import assign_slots, copies_inputs, expand_graphs
 from streamsched.dsl.kernels import compile_kernel_defs
 from streamsched.dsl.load import load_program_files
@@ -70,6 +71,7 @@ def run_passes(scope: Scope, path: str, policy: str | None, capture: str | None)
     # The model: its forward (types, shapes, op expansion), then the backward derived from it.
     model, bwd = None, []
     if model_ast is not None:
+        model_ast = inline_model(scope, model_ast)  # composite ops and `repeat` become model lines
         try:
             forward = expand_model(scope, buffers, streams, lower, model_ast,
                                    copies_inputs(scope) and bool(buffers.slots))

@@ -106,6 +106,11 @@ class Site:
     derived: bool = False
     op_afters: tuple[AfterClause, ...] = ()
     g_afters: tuple[AfterClause, ...] = ()
+    line_path: tuple = ()
+    """Where the task's model line sits, outermost first: (scope, the name an `after` uses in that
+    scope, the insertion point on that statement); one entry for a line of the model, more for a
+    line inlined from a block (dsl/compose.py: scope "" is the model, "y" the block called as
+    `y = block(...)`)."""
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,23 @@ def suggest_order(schedule: Schedule, first: Task, second: Task) -> tuple[str, t
             and s1.op != s2.op):
         return (f"add `after {s1.op}` to the statement `{s2.op}` (the op body's order: `{s2.op} = ... after {s1.op}`)",
                 (insert_after(s2.op_tail, s1.op),), ())
-    # 2. two lines of the model's forward
+    # 2. two lines of the model's forward (or of one block inlined into it: the `after` goes on
+    #    the later line in the innermost scope both share, naming the earlier one there)
     if (same_launch and s1.gstmt == s2.gstmt and s1.line and s2.line and not s1.derived and not s2.derived
             and s2.line_tail is not None):
+        p1 = s1.line_path or (("", s1.line, s1.line_tail),)
+        p2 = s2.line_path or (("", s2.line, s2.line_tail),)
+        for (sc1, r1, _), (sc2, r2, tail2) in zip(p1, p2):
+            if sc1 != sc2:
+                break
+            if r1 != r2:
+                if tail2 is None:
+                    break
+                where = "the model line" if not sc2 else f"the line of the block inlined as `{sc2}`"
+                return (f"add `after {r1}` to {where} `{r2} = ...`", (insert_after(tail2, r1),), ())
         if s1.line != s2.line:
-            return (f"add `after {s1.line}` to the model line `{s2.line} = ...`",
-                    (insert_after(s2.line_tail, s1.line),), ())
+            return (f"the two accesses are in different instances of a block (`{s1.line}`, `{s2.line}`): "
+                    "no `after` in the file orders only them; use `barriers auto`", (), ())
         if not s2.op:
             return (f"both accesses are inside one call of a stdlib op (`{s2.line} = ...`), which orders its own work "
                     "under every policy: this is a bug in streamsched; `barriers auto` avoids it", (), ())
