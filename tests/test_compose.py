@@ -115,6 +115,22 @@ def test_place_and_on_inside_a_block(tmp_path):
     assert {t.stream for t in moved.schedule.tasks if t.kernel == "relu"} == {"comp2"}
 
 
+def test_place_one_line_of_one_instance(tmp_path):
+    """`place a2.2.h on comp3` moves instance 2's GEMM only; `place a1.y` the single call's relu;
+    a name that matches no instance's line is S006 at the name, and a name missing a dot is P002."""
+    c = compile_file(write(tmp_path, BLOCKS + "place a2.2.h on comp3\nplace a1.y on comp2\n", "inst.sched"))
+    fwd = {t.label.split(": ")[-1]: t.stream for t in c.schedule.tasks if t.kernel in ("matmul", "relu")
+           and t.label.split(": ")[-1].startswith(("linear@", "relu@"))}
+    assert fwd["linear@a2.2.h"] == "comp3" and fwd["linear@a2.1.h"] == "comp1" and fwd["linear@a1.h"] == "comp1"
+    assert {s for k, s in fwd.items() if k.startswith("relu@a1")} == {"comp2"}
+    assert {s for k, s in fwd.items() if k.startswith("relu@a2")} == {"comp3"}  # relu's own stream
+    for tail, code, col in (("place a2.7.h on comp3\n", "S006", 7), ("place a2 h on comp3\n", "P002", 10)):
+        text = BLOCKS + tail
+        ds = [d for d in check_file(write(tmp_path, text, "bad.sched")) if d.severity == "error"]
+        assert [d.code for d in ds] == [code]
+        assert ds[0].span.line == len(text.splitlines()) and ds[0].span.col == col
+
+
 def test_the_backward_of_a_block_is_its_ops_backward(tmp_path):
     c = compile_file(write(tmp_path, BLOCKS))
     kernels = [t.kernel for t in c.program.graph("pass").templates]

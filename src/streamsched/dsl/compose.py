@@ -17,7 +17,7 @@ block(y)` makes instances `z.1` .. `z.4`, instance i's values `z.i.n` ..., its o
 last one's output `z`.  Inside a block, a name is an input of the block, an earlier statement of
 it, or an attribute (a parameter with a literal default, given at the call by name or position
 after the inputs); an `after NAME` on a body statement names an earlier statement of the body.
-Source: LANGUAGE.md ("Composite ops and repeat").
+Source: docs/language.md ("Composite ops and repeat").
 """
 
 from __future__ import annotations
@@ -211,6 +211,12 @@ def _inline(scope: Scope, comps: dict[str, A.OpDef], st: A.OpUse, m: A.ModelDef,
         placed = scope.places.get(f"{op.name}.{bst.targets[0].id}")
         if on is None and placed is not None:
             on = placed.stream
+        # `place y.k on S` / `place h.2.k on S`: one instance's line, the most specific placement
+        for key in (f"{prefix}.{bst.targets[0].id}", local[bst.targets[0].id]):
+            if key in getattr(scope, "line_places", {}):
+                on = scope.line_places[key].stream
+                scope.line_places_used.add(key)
+                break
         into = c.into
         if into is not None:
             into = A.Name(local.get(into.id, subst[into.id].name.id if isinstance(subst.get(into.id), A.Var)
@@ -225,3 +231,18 @@ def _inline(scope: Scope, comps: dict[str, A.OpDef], st: A.OpUse, m: A.ModelDef,
     if missing:
         fail("S007", f"op `{op.name}` never assigns its output `{missing[0]}`", st.span)
     return lines
+
+
+def check_line_places(scope: Scope) -> None:
+    """S006 for each `place NAME on S` left for a block instance's line (names.check_places defers
+    a target whose first segment is no op) that no inlined line matched."""
+    for key, pl in getattr(scope, "line_places", {}).items():
+        if key not in scope.line_places_used:
+            try:
+                scope.sink.fail(
+                    "S006", f"`place {key}`: no op `{key}`, and no line of a block instance named `{key}`",
+                    pl.target_span,
+                    help="place an op (`place relu on comp1`), one statement of it (`place linear.backward.db "
+                         "on comp3`), or one line of a block instance (`place h.2.k on comp1`)")
+            except _Abort:
+                continue

@@ -175,6 +175,9 @@ def check_places(scope: Scope, streams: Streams) -> None:
             if (op is None or stmt not in {t.id for st in op.body for t in st.targets}) and \
                     derived_place_ok(scope, target):
                 continue  # the backward derived for an op without one, or one of its statements
+            if op is None and "." in target and target.split(".")[0] not in scope.ops:
+                scope.line_places[target] = pl  # maybe one line of a block instance: compose decides
+                continue
             if op is None:
                 fail("S006", f"`place {target}`: no op `{target}`", pl.target_span,
                      help="place an op (`place relu on comp1`) or one statement of it "

@@ -53,6 +53,10 @@ def _anon_patterns() -> dict[str, str]:
     return {t.name: t.pattern.value for t in _parser().terminals if t.name.startswith("__ANON_")}
 
 
+_PLACE_SEG = re.compile(r"(\.)?([A-Za-z_][A-Za-z0-9_]*|\d+)(\.)?")
+_PLACE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\d+))*")
+
+
 class _ToAst(Transformer):
     """Builds AST records; every node gets a Span from lark's meta."""
 
@@ -260,6 +264,42 @@ class _ToAst(Transformer):
     def kernel_def(self, meta, ch):
         name, params, outs, *body = ch
         return A.KernelDef(name, params or (), outs, tuple(body), self._sp(meta))
+
+    def _seg(self, t) -> tuple[str, Span]:
+        if isinstance(t, A.Name):
+            return t.id, t.span
+        return str(t), Span(self.path, t.line, t.column, t.end_line, t.end_column)
+
+    def seg_name(self, ch):
+        t, sp = self._seg(ch[0])
+        return ("." + t, sp)
+
+    def seg_num(self, ch):
+        t, sp = self._seg(ch[0])
+        return ("." + t, sp)
+
+    def seg_glued(self, ch):
+        return self._seg(ch[0])
+
+    @v_args(meta=True)
+    def place_path(self, meta, ch):
+        (text, head), segs = self._seg(ch[0]), ch[1:]
+        bad = None
+        for t, tok in segs:
+            if bad is None and not t.startswith(".") and not text.endswith("."):
+                self.diags.append(Diagnostic("P002", f"unexpected `{t}`: a `.` is missing before it", tok,
+                                             help=f"join a line's name with dots: `{text}.{t}`"))
+                return (text + "." + t, self._sp(meta))
+            if bad is None and not _PLACE_SEG.fullmatch(t):
+                bad = tok
+            text += t
+        if bad is None and not _PLACE_PATH.fullmatch(text):
+            bad = segs[-1][1] if segs else head
+        if bad is not None:
+            self.diags.append(Diagnostic(
+                "P002", f"`{text}` is not a line's name: segments are names or whole numbers, joined by `.`", bad,
+                help="name a model line (`h1`), a block's line (`y.k`) or an instance's line (`h.2.k`)"))
+        return (text, self._sp(meta))
 
     @v_args(meta=True)
     def place_stmt(self, meta, ch):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from streamsched.diagnostics import SourceCache, StreamschedError
 from streamsched.dsl.backward import SEED, derive_backward, grad_name
-from streamsched.dsl.compose import inline_model
+from streamsched.dsl.compose import check_line_places, inline_model
 from streamsched.dsl.graphs import assign_slots, copies_inputs, expand_graphs
 from streamsched.dsl.kernels import compile_kernel_defs
 from streamsched.dsl.load import load_program_files
@@ -72,6 +72,7 @@ def run_passes(scope: Scope, path: str, policy: str | None, capture: str | None)
     model, bwd = None, []
     if model_ast is not None:
         model_ast = inline_model(scope, model_ast)  # composite ops and `repeat` become model lines
+        check_line_places(scope)
         try:
             forward = expand_model(scope, buffers, streams, lower, model_ast,
                                    copies_inputs(scope) and bool(buffers.slots))

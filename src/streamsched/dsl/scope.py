@@ -70,6 +70,8 @@ class Scope:
         self.stdlib_ops: set[str] = set()
         self.derived_ops: set[str] = set()  # synthesized NAME.backward ops (lines nobody can edit)
         self.places: dict[str, A.Place] = {}
+        self.line_places: dict[str, A.Place] = {}  # `place h.2.k on S`: a block instance's line
+        self.line_places_used: set[str] = set()
         self.models: dict[str, A.ModelDef] = {}
         self.graphs_ast: dict[str, A.GraphDef] = {}
         self.steps: list[A.StepDef] = []
