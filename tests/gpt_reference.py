@@ -39,7 +39,10 @@ def gpt_logits(p, x, layers=2, heads=4):
         r = h + causal_attention(q, k, v, b, t, heads) @ p[f"o{i}.w"] + p[f"o{i}.b"]
         m = layer_norm(r, p[f"m{i}.gamma"], p[f"m{i}.beta"])
         h = r + gelu(m @ p[f"f{i}.w"] + p[f"f{i}.b"]) @ p[f"p{i}.w"] + p[f"p{i}.b"]
-    return layer_norm(h, p["nf.gamma"], p["nf.beta"]) @ p["logits.w"] + p["logits.b"]
+    nf = layer_norm(h, p["nf.gamma"], p["nf.beta"])
+    if "logits.w" not in p:  # the output projection tied to the token embedding (unembed)
+        return nf @ p["tok.table"].T
+    return nf @ p["logits.w"] + p["logits.b"]
 
 
 def cross_entropy_sum(z, labels):

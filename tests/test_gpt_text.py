@@ -125,6 +125,43 @@ def test_the_whole_backward_is_the_gradient_of_an_independent_gpt(tmp_path):
     assert not g["tok.table"][unseen].any()
 
 
+def test_weight_tying_trains_one_table_with_the_sum_of_both_gradients(tmp_path):
+    """`logits = unembed(nf, table = tok.table)`: one parameter (no `logits.*`), its gradient that
+    of the tied GPT by central differences, rows of unseen bytes included (the output
+    projection reaches every row); one SGD step moves the embedding and the projection as one."""
+    sgd = "graph optimize on update { sgd(gpt, lr, momentum = 0.0) }"
+    text = SRC.replace(OPTIMIZE, sgd + "\n\n").replace(HEADER, SMALL)
+    text = text.replace("    logits = linear(nf, 256)", "    logits = unembed(nf, table = tok.table)")
+    assert "unembed" in text
+    path = tmp_path / "tied.sched"
+    path.write_text(text.replace("context = 64, test = 0.02", "context = 16, test = 0.02"))
+    c = compile_file(str(path))
+    assert c.ok, c.diagnostics
+    assert "tok.table" in c.program.model.params and not any(n.startswith("logits") for n in c.program.model.params)
+    w0 = init_params(c.program, 0)
+    w1 = _run(c, 1, str(tmp_path), lr=1.0).params
+    g = w0["tok.table"].astype(np.float64) - w1["tok.table"].astype(np.float64)
+    p = _f64(w0)
+    x, y = _batch(load_dataset("text", ("<python-stdlib>",), {"context": 16, "test": 0.02}, base_dir=ROOT),
+                  0, batch=2)
+    unseen = np.setdiff1d(np.arange(256), x)
+    rng = np.random.default_rng(7)
+    d = p["tok.table"].shape[1]
+    rows = list(rng.choice(x.reshape(-1), 4)) + list(rng.choice(unseen, 4))
+    flat = p["tok.table"].reshape(-1)
+    for r in rows:
+        i = int(r) * d + int(rng.integers(d))
+        old, eps = flat[i], 1e-5
+        flat[i] = old + eps
+        lp = gpt_loss(p, x, y, heads=2)
+        flat[i] = old - eps
+        lm = gpt_loss(p, x, y, heads=2)
+        flat[i] = old
+        want = (lp - lm) / (2 * eps)
+        assert g.reshape(-1)[i] == pytest.approx(want, rel=2e-3, abs=2e-6 + 2e-7 * abs(float(old))), (r, i)
+    assert np.abs(g[unseen]).max() > 0  # the projection's share reaches bytes the input never saw
+
+
 def test_clipping_scales_every_gradient_by_one_factor_to_the_global_norm(tmp_path):
     g, _ = _sgd_gradient(tmp_path, "graph optimize on update { sgd(gpt, lr, momentum = 0.0) }")
     clipped, _ = _sgd_gradient(tmp_path, """graph optimize on update {

@@ -45,6 +45,13 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
         for n in c.inputs:
             if c.bind[n] in needs:
                 uses[c.bind[n]] = uses.get(c.bind[n], 0) + 1
+    # A parameter tied into several lines (weight tying) gets one partial gradient per line,
+    # summed into grad.P once the last (in backward order) is made.
+    tied_uses: dict[str, int] = {}
+    for c in calls:
+        for n in c.params:
+            tied_uses[c.bind[n]] = tied_uses.get(c.bind[n], 0) + 1
+    tied_partials: dict[str, list[tuple[str, object]]] = {}
     seed = SEED
     buffers.add(seed, (), buffers.btype(loss)[1], "const", init="ones")
     partials: dict[str, list[str]] = {loss: [seed]}
@@ -92,7 +99,11 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
             buf = c.bind[x]
             if buf not in needs:
                 continue
-            if x in c.params:
+            if x in c.params and tied_uses.get(buf, 1) > 1:
+                lst = tied_partials.setdefault(buf, [])
+                target = f"{grad_name(buf)}#{len(lst) + 1}"
+                lst.append((target, bop))
+            elif x in c.params:
                 target = f"grad.{buf}"
             else:
                 lst = partials.setdefault(buf, [])
@@ -120,6 +131,18 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
         lower.expand_op(bop, env, c.attrs, bwd, op_id=op_id, prefix=f"{value}.bwd", label=f"{bop.name}@{value}",
                         call_span=c.span, need=need_outs)
         op_id += 1
+        for buf, parts in tied_partials.items():
+            if len(parts) == tied_uses[buf] and f"grad.{buf}" not in buffers.buffers:
+                # every partial made: sum them in backward order on the last one's stream
+                shp, dt = buffers.btype(buf)
+                buffers.add(f"grad.{buf}", shp, dt, "grad")
+                stream = streams.placed(bop.name, streams.stream(bop.stream, bop.name in scope.stdlib_ops))
+                acc = parts[0][0]
+                for i, (p, _) in enumerate(parts[1:]):
+                    dst = f"grad.{buf}" if i == len(parts) - 2 else f"{grad_name(buf)}.sum{i}"
+                    sums = Lowering(stream=stream, rep=stream, op_id=op_id, label=f"sum@{buf}", out=bwd)
+                    lower.emit(sums, "accumulate", (acc, p), (dst,), (), "", c.span, kind="grad")
+                    acc = dst
     for c in calls:
         for pn in c.params:
             if f"grad.{c.bind[pn]}" not in buffers.buffers:

@@ -160,11 +160,14 @@ class _ModelExpander:
         if grads:
             self.fail("S015", f"`{op.name}` is an optimizer op; call it in a graph body on a model", name.span)
         free = _free_dims(op, ins, prm + states)
-        given = self.arguments(st, op, ins, free, attrs)
+        given = self.arguments(st, op, ins, free, attrs, prm + states)
         bind: dict[str, str] = {}  # op param/out name -> buffer
         dims: dict[str, Any] = {}  # dimension and dtype variables
         self.bind_inputs(st, op, ins, given, bind, dims)
+        self.tie(st, op, prm + states, given, bind, dims)
         for d in free:
+            if d in dims and d not in given:
+                continue  # bound by a tied parameter's type
             if d in given:
                 v = const(self.sink, given[d], self.env)
                 if not isinstance(v, int) or v <= 0:
@@ -204,10 +207,12 @@ class _ModelExpander:
         return ForwardCall(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
                            tuple(o.name.id for o in op.outs), st.span, label, inner_env, dict(cx.nested))
 
-    def arguments(self, st: A.OpUse, op: A.OpDef, ins, free: list[str], attrs) -> dict[str, A.Expr]:
+    def arguments(self, st: A.OpUse, op: A.OpDef, ins, free: list[str], attrs, weights=()) -> dict[str, A.Expr]:
         """The line's arguments by parameter name: positional ones fill the inputs, then the free
-        dimensions, then the attributes; named ones any of them (S005, S015)."""
+        dimensions, then the attributes; named ones any of them, or a `param` tied to another
+        line's parameter (`table = tok.table`) (S005, S015)."""
         slots_ = [p.name.id for p in ins] + free + [a.name.id for a in attrs]
+        named = slots_ + [p.name.id for p in weights]
         pos = list(st.call.args)
         if len(pos) > len(slots_) or len(pos) < len(ins):
             need = f"{len(ins)} input(s) ({', '.join(p.name.id for p in ins)})"
@@ -218,11 +223,35 @@ class _ModelExpander:
                       labels=[Label(op.name_span, "defined here")] if user_op else [])
         given: dict[str, A.Expr] = dict(zip(slots_, pos))
         for kw in st.call.kwargs:
-            if kw.name.id not in slots_:
+            if kw.name.id not in named:
                 self.fail("S015", f"op `{op.name}` has no parameter `{kw.name.id}`", kw.name.span,
-                          help=f"parameters: {', '.join(slots_)}")
+                          help=f"parameters: {', '.join(named)}")
             given[kw.name.id] = kw.value
         return given
+
+    def tie(self, st: A.OpUse, op: A.OpDef, weights, given: dict[str, A.Expr], bind: dict[str, str],
+            dims: dict[str, Any]) -> None:
+        """Weight tying: `logits = unembed(nf, table = tok.table)` binds the line's `param table`
+        to the parameter `tok.table` an earlier line made, unifying its written type with that
+        buffer's (binding its dimensions).  Both lines then read and train one buffer; the
+        backward sums their gradients (dsl/backward.py).  S015 for a state or a name that is no
+        earlier line's parameter; S003 for a type that does not match.  Source: Press & Wolf,
+        "Using the Output Embedding to Improve Language Models" (2017)."""
+        for p in weights:
+            a = given.get(p.name.id)
+            if a is None:
+                continue
+            if p.modifier != "param":
+                self.fail("S015", f"`{p.name.id}` of op `{op.name}` is state: only a `param` can be tied to "
+                          "another line's parameter", a.span)
+            if not isinstance(a, A.Var) or a.name.id not in self.params:
+                have = ", ".join(self.params) if self.params else "none yet"
+                self.fail("S015", f"`{p.name.id} = ...` ties a parameter: it must name a parameter of an earlier "
+                          f"line (`LINE.NAME`), not `{getattr(getattr(a, 'name', None), 'id', 'an expression')}`",
+                          a.span, help=f"parameters so far: {have}")
+            if p.type is not None:
+                unify(self.sink, p.type, self.buffers.btype(a.name.id), dims, f"`{a.name.id}`", a.span, p.span)
+            bind[p.name.id] = a.name.id
 
     def bind_inputs(self, st: A.OpUse, op: A.OpDef, ins, given: dict[str, A.Expr], bind: dict[str, str],
                     dims: dict[str, Any]) -> None:
@@ -250,6 +279,8 @@ class _ModelExpander:
         for p in prm_states:
             # Parameters are trained; state (running statistics, RNG offsets) is created per use
             # the same way, checkpointed, and never differentiated.
+            if p.name.id in bind:
+                continue  # tied to an earlier line's parameter (self.tie)
             if p.type is None:
                 self.fail("S015", f"`{p.name.id}` of op `{op.name}` needs a type", p.span)
             shape, dtype = type_shape(self.sink, p.type, dims)

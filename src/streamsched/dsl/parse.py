@@ -114,6 +114,12 @@ class _ToAst(Transformer):
         return A.Var(ch[0], self._sp(meta))
 
     @v_args(meta=True)
+    def dotted_var(self, meta, ch):
+        # `tok.table`: a line's parameter, named where a `param` is tied to it (weight tying)
+        sp = self._sp(meta)
+        return A.Var(A.Name(".".join(n.id for n in ch), sp), sp)
+
+    @v_args(meta=True)
     def kwarg(self, meta, ch):
         return A.KwArg(ch[0], ch[1], self._sp(meta))
 
