@@ -183,3 +183,11 @@ def test_explicit_races_inside_a_block_get_a_fix_in_the_block(tmp_path):
     fixed = write(tmp_path, apply_fixes(text, inner[0].fixes), "fixed.sched")
     after = [d for d in check_file(fixed) if d.code == "R001" and "relu" in d.message.split(" is not")[0]]
     assert after == []
+
+
+def test_a_hand_written_backward_of_a_block_is_refused_not_ignored(tmp_path):
+    text = BLOCKS.replace("model mlp", "op block.backward(dy, x) -> dx on comp1 {\n    dx = relu(dy)\n}\n\nmodel mlp", 1)
+    ds = [d for d in check_file(write(tmp_path, text, "bwd.sched")) if d.severity == "error"]
+    assert [d.code for d in ds] == ["S015"] and "block.backward" in ds[0].message
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith("op block.backward"))
+    assert (ds[0].span.line, ds[0].span.col) == (line, 4)

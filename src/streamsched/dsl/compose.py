@@ -246,3 +246,21 @@ def check_line_places(scope: Scope) -> None:
                          "on comp3`), or one line of a block instance (`place h.2.k on comp1`)")
             except _Abort:
                 continue
+
+
+def check_block_backwards(scope: Scope) -> None:
+    """S015 for a hand-written `NAME.backward` of a block: a block is inlined as the lines of the
+    ops it calls, each differentiated by its own backward, so a backward written for the block
+    as a whole would never run; saying so beats ignoring the user's code."""
+    for name in composite_ops(scope):
+        bop = scope.ops.get(name + ".backward")
+        if bop is None:
+            continue
+        try:
+            scope.sink.fail(
+                "S015", f"op `{name}` is a block (its body calls ops): its backward is derived from the ops it "
+                f"calls, so `{name}.backward` would never run", bop.name_span or bop.span,
+                help=f"remove `{name}.backward`, or write `{name}`'s body with kernels (an op of kernel calls "
+                     "may have a backward of its own)")
+        except _Abort:
+            continue
