@@ -37,7 +37,7 @@ step train(slot) {
 }
 train { model = mlp; data = digits(test = 0.2, seed = 0); epochs = 1; lr = 0.05 }
 """
-BLOCK = """op block(x, width = 16) -> y on comp1 {
+BLOCK = """op block(x, width = 16) -> y {
     h = linear(x, width)
     y = relu(h)
 }
@@ -141,7 +141,8 @@ def test_the_backward_of_a_block_is_its_ops_backward(tmp_path):
 @pytest.mark.parametrize("edit,code,needle", [
     ("    a2     = repeat layers block(a1, width = hidden)\n", None, None),
     ("    a2     = repeat 0 block(a1, width = hidden)\n", "S015", "repeat 0"),
-    ("    a2     = repeat layers linear(a1, hidden)\n", "S015", "repeat layers linear"),
+    ("    a2     = repeat layers linear(a1, hidden)\n", None, None),   # any op with one output repeats
+    ("    a2     = repeat 5000 block(a1, width = hidden)\n", "S015", "repeat 5000"),
     ("    a2     = block(a1, depth = 3)\n", "S015", "depth = 3"),
     ("    a2     = block(a1, a1, 4, 5)\n", "S005", "block(a1, a1, 4, 5)"),
 ])
@@ -162,7 +163,7 @@ def test_a_block_reading_an_unknown_value_or_calling_a_kernel(tmp_path):
     assert d.code == "S007" and "`z`" in d.message
     mixed = BLOCKS.replace("    y = relu(h)\n", "    y = relu(h)\n    w = matmul(y, y)\n")
     codes = {d.code for d in check_file(write(tmp_path, mixed, "m.sched")) if d.severity == "error"}
-    assert "S015" in codes
+    assert "S006" in codes  # a kernel is no op: a block's statements call ops
 
 
 def test_a_block_that_calls_itself_stops(tmp_path):
@@ -191,3 +192,108 @@ def test_a_hand_written_backward_of_a_block_is_refused_not_ignored(tmp_path):
     assert [d.code for d in ds] == ["S015"] and "block.backward" in ds[0].message
     line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith("op block.backward"))
     assert (ds[0].span.line, ds[0].span.col) == (line, 4)
+
+
+def test_explicit_race_between_chained_instances_is_fixed_by_after_input(tmp_path):
+    """Under explicit, instance 2's GEMM (comp1) reads instance 1's relu (comp3): the fix is
+    `after x` (the block's input) on the block's GEMM line, which orders it after the line that
+    made that input; applied, no race between instances is left."""
+    block = BLOCK.replace("    y = relu(h)\n", "    y = relu(h) on comp3\n    \n").replace(
+        "    h = linear(x, width)\n", "    h = linear(x, width) after x\n").replace(" after x\n", "\n")
+    text = "barriers explicit\n" + STREAMS + block + BLOCKS[len(STREAMS) + len(BLOCK):]
+    p = write(tmp_path, text)
+    cross = [d for d in check_file(p) if d.code == "R001" and "linear@a2.2.h" in d.message
+             and "relu@a2.1" in d.message]
+    assert cross and cross[0].fixes and cross[0].fixes[0].text == " after x", [d.help for d in cross]
+    fixed = apply_fixes(text, cross[0].fixes)
+    assert "    h = linear(x, width) after x\n" in fixed
+    left = [d for d in check_file(write(tmp_path, fixed, "fixed.sched"))
+            if d.code == "R001" and "linear@a2." in d.message and "relu@a" in d.message.split(" after ")[-1]]
+    assert left == []
+
+
+def _model(block_text: str, lines: str, tmp_path, name="m.sched", extra: str = "") -> str:
+    text = STREAMS + block_text + "model mlp(batch = 16, hidden = 16, layers = 2) {\n" \
+        "    input x : f32[batch, 64]\n    input y : i32[batch]\n" + lines + \
+        "    logits = linear(z, 10)\n    loss   = softmax_cross_entropy(logits, y)\n}\n" + REST + extra
+    return write(tmp_path, text, name)
+
+
+def _errors(path):
+    return [d for d in check_file(path) if d.severity == "error"]
+
+
+def test_names_inside_blocks_never_collide(tmp_path):
+    """A body statement named like a parameter of the output line (`w`), a tie to the block's own
+    statement (`a.w`, even with a model line named `a`), and a block whose output statement
+    calls a block: each line's parameters live under its own name."""
+    c = compile_file(_model("op blk(h) -> out {\n    w = relu(h)\n    out = linear(w, 16)\n}\n",
+                            "    z = blk(x)\n", tmp_path))
+    assert c.ok and [n for n in c.program.model.params if n.startswith("z.")] == ["z.out.w", "z.out.b"]
+    tied = "op blk(h) -> out {\n    a = linear(h, 16)\n    r = relu(a)\n    out = linear(r, 16, w = a.w)\n}\n"
+    c = compile_file(_model(tied, "    a = linear(x, 16)\n    z = blk(a)\n", tmp_path, "t.sched"))
+    assert c.ok, c.diagnostics
+    assert [n for n in c.program.model.params if n.startswith(("a.", "z."))] == ["a.w", "a.b", "z.a.w", "z.a.b",
+                                                                                "z.out.b"]
+    nested = ("op inner(h) -> out {\n    a = linear(h, 16)\n    out = relu(a)\n}\n"
+              "op outer(h) -> out {\n    a = linear(h, 16)\n    out = inner(a)\n}\n")
+    c = compile_file(_model(nested, "    z = outer(x)\n", tmp_path, "n.sched"))
+    assert c.ok and [n for n in c.program.model.params if n.startswith("z.")] == \
+        ["z.a.w", "z.a.b", "z.out.a.w", "z.out.a.b"]
+    inst = compile_file(_model(BLOCK, "    h = repeat 2 block(x)\n    z = linear(h, 16, w = h.2.h.w)\n",
+                               tmp_path, "i.sched"))
+    assert inst.ok and "z.w" not in inst.program.model.params
+
+
+def test_streams_of_block_lines_most_specific_first(tmp_path):
+    """Header `on`: the default of the lines; the calling line's `on` beats it; a body `on` beats
+    that; `place block.s` beats the body's `on`."""
+    def streams(block_text, lines, extra=""):
+        c = compile_file(_model(block_text, lines, tmp_path, "s.sched", extra))
+        assert c.ok, c.diagnostics
+        return {t.label.split(": ")[-1]: t.stream for t in c.schedule.tasks if t.kernel in ("matmul", "relu")
+                and t.step == 0 and t.label.split(": ")[-1].startswith(("linear@z", "relu@z"))}
+    hdr = "op blk(h) -> out on comp2 {\n    a = linear(h, 16)\n    out = relu(a)\n}\n"
+    assert set(streams(hdr, "    z = blk(x)\n").values()) == {"comp2"}
+    assert set(streams(hdr, "    z = blk(x) on comp3\n").values()) == {"comp3"}
+    body_on = hdr.replace("    a = linear(h, 16)\n", "    a = linear(h, 16) on comp1\n")
+    got = streams(body_on, "    z = blk(x) on comp3\n")
+    assert got["linear@z.a"] == "comp1" and got["relu@z.y"] == "comp3"
+    got = streams(body_on, "    z = blk(x)\n", "place blk.a on comp3\n")
+    assert got["linear@z.a"] == "comp3"
+
+
+@pytest.mark.parametrize("block_text,lines,extra,code,needle", [
+    (BLOCK, "    z = block(x) into x\n", "", "S015", "into x"),
+    ("op two(h) -> (p, q) on comp3 {\n    p = relu(h)\n    q = relu(h)\n}\n", "    z = repeat 2 two(x)\n", "", "S005",
+     "two(x)"),
+    ("op blk(h : f32[n, 32]) -> out : f32[n, 16] {\n    out = linear(h, 16)\n}\n", "    z = blk(x)\n", "", "S003",
+     "blk(x)"),
+    ("op blk(h) -> out {\n    h = linear(h, 16)\n    out = relu(h)\n}\n", "    z = blk(x)\n", "", "S002", "    h = "),
+    (BLOCK, "    z = block(x)\n    z = block(z)\n", "", "S002", "    z = block(z)"),
+    ("op blk(h) -> out {\n    a = linear(h, 16, w = x0.w)\n    out = relu(a)\n}\n",
+     "    x0 = linear(x, 16)\n    z = blk(x0)\n", "", "S007", "x0.w"),
+    ("op blk(h) -> out {\n    a = linear(h, hidden)\n    out = relu(a)\n}\n", "    z = blk(x)\n", "", "S007",
+     "linear(h, hidden)"),
+    (BLOCK, "    z = block(x, width = 16, width = 8)\n", "", "S015", "width = 8"),
+    (BLOCK, "    z = block(x)\n", "op block.eval(x) -> y {\n    y = relu(x)\n}\n", "S015", "op block.eval"),
+    (BLOCK, "    z = block(x)\n", "place block.backward on comp2\n", "S006", "place block.backward"),
+    ("op f(x) -> y {\n    y = relu(x)\n}\n", "    z = f(x)\n", "", "S015", "op f("),
+])
+def test_block_mistakes_are_diagnostics_where_written(tmp_path, block_text, lines, extra, code, needle):
+    path = _model(block_text, lines, tmp_path, "bad.sched", extra)
+    ds = _errors(path)
+    assert [d.code for d in ds][:1] == [code], [(d.code, d.message) for d in ds]
+    text = open(path, encoding="utf-8").read().splitlines()
+    line = max(i for i, ln in enumerate(text, 1) if needle in ln)
+    assert ds[0].span.line == line, (ds[0].span, needle)
+    assert ds[0].span.col - 1 <= text[line - 1].index(needle.strip()) + len(needle.strip())
+
+
+def test_a_block_of_kernel_named_ops_is_a_block_or_an_op_and_repeats(tmp_path):
+    """`out = dropout(a)` (one target) calls the op; relu+add is an op of kernels; both repeat."""
+    drop = "op blk(h) -> out {\n    a = relu(h)\n    out = dropout(a, p = 0.1)\n}\n"
+    assert compile_file(_model(drop, "    h = linear(x, 16)\n    z = repeat 2 blk(h)\n", tmp_path, "d.sched")).ok
+    res = "op res(h) -> out on comp1 {\n    a = relu(h)\n    out = add(h, a)\n}\n"
+    c = compile_file(_model(res, "    h = linear(x, 16)\n    z = repeat 2 res(h)\n", tmp_path, "r.sched"))
+    assert c.ok, c.diagnostics

@@ -251,6 +251,12 @@ class OpUse:
     span: Span | None = _span()
     repeat: Expr | None = None
     path: tuple = field(default=(), compare=False, repr=False)
+    # an inlined block line's own name (`y.s`), which names its parameters and state where it
+    # differs from its target (the block's output line is the calling line's name `y`)
+    own: str | None = field(default=None, compare=False, repr=False)
+    # types a block declares for its inputs and outputs, checked on this line:
+    # (value name, TypeExpr, caret span, declaration span, instance key)
+    checks: tuple = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)

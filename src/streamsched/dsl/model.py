@@ -72,6 +72,7 @@ class _ModelExpander:
         # values a failed line would have made (here, or while its block was inlined): their uses stay quiet
         self.poisoned: set[str] = set(getattr(scope, "poisoned_values", ()))
         self.params: list[str] = []  # parameter buffers, in line order
+        self.block_dims: dict[str, dict[str, Any]] = {}  # a block instance's dimension variables
         self.evals: list[TaskTemplate] = []  # the forward as evaluation runs it (NAME.eval ops)
 
     def run(self) -> Forward:
@@ -97,6 +98,7 @@ class _ModelExpander:
                     continue
                 first = len(fwd)
                 calls.append(self.call(st, fwd, len(calls)))
+                self.block_types(st)
                 # `after` on model lines names model values: tasks answer to their value's name
                 for i in range(first, len(fwd)):
                     path = st.path or (("", st.targets[0].id, st.clauses.tail),)
@@ -172,6 +174,11 @@ class _ModelExpander:
                 v = const(self.sink, given[d], self.env)
                 if not isinstance(v, int) or v <= 0:
                     self.fail("S003", f"dimension `{d}` must be a positive integer, got {v!r}", given[d].span)
+                if d in dims and dims[d] != v:
+                    tied = next((given[p.name.id] for p in prm if p.name.id in given), None)
+                    self.fail("S003", f"`{d} = {v}`, but the tied parameter "
+                              f"`{getattr(getattr(tied, 'name', None), 'id', '?')}` makes `{d}` {dims[d]}",
+                              given[d].span, help=f"leave out `{d} = {v}`: the tied parameter decides it")
                 dims[d] = v
             else:
                 self.fail("S005", f"op `{op.name}` needs the dimension `{d}`", st.call.span)
@@ -186,7 +193,7 @@ class _ModelExpander:
             from streamsched.stdlib.kernels.dropout import site_seed
 
             attr_vals["seed"] = site_seed(self.m.name.id, target0)
-        self.weights(op, prm + states, target0, dims, bind)
+        self.weights(op, prm + states, st.own or target0, dims, bind)
         into = self.results(st, op, ins, dims, bind)
         attr_vals = {**dims, **attr_vals}  # dimension variables are constants in the body too
         label = f"{op.name}@{target0}"
@@ -207,6 +214,17 @@ class _ModelExpander:
         return ForwardCall(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
                            tuple(o.name.id for o in op.outs), st.span, label, inner_env, dict(cx.nested))
 
+    def block_types(self, st: A.OpUse) -> None:
+        """The types a block declares for its inputs and outputs (`op blk(h : f32[n, 32]) -> out :
+        f32[n, 16]`), checked against the values of this instance (its dimensions shared by the
+        instance's inputs and outputs); S003/S004 at the calling line's argument or line."""
+        for value, t, at, decl, group in st.checks:
+            buf = self.values.get(value)
+            if buf is None:
+                continue
+            unify(self.sink, t, self.buffers.btype(buf), self.block_dims.setdefault(group, {}), f"`{value}`",
+                  at, decl)
+
     def arguments(self, st: A.OpUse, op: A.OpDef, ins, free: list[str], attrs, weights=()) -> dict[str, A.Expr]:
         """The line's arguments by parameter name: positional ones fill the inputs, then the free
         dimensions, then the attributes; named ones any of them, or a `param` tied to another
@@ -226,6 +244,9 @@ class _ModelExpander:
             if kw.name.id not in named:
                 self.fail("S015", f"op `{op.name}` has no parameter `{kw.name.id}`", kw.name.span,
                           help=f"parameters: {', '.join(named)}")
+            if kw.name.id in given:
+                self.fail("S015", f"`{kw.name.id}` of `{op.name}` is given twice", kw.name.span,
+                          help=f"give `{kw.name.id}` once")
             given[kw.name.id] = kw.value
         return given
 

@@ -122,6 +122,10 @@ class Streams:
         """A declared stream; stdlib placements fold onto the declared streams by role.  Fails
         (C001 legacy stream, S001 host or unknown stream)."""
         streams = self.scope.streams
+        if name is None:  # an op without `on` (S015, reported by check_ops): its kernels on comp1's role
+            if not streams:
+                raise _Abort()
+            return self.fold("comp1")
         n = name.id
         if n in streams:
             return n
@@ -207,13 +211,21 @@ def check_ops(scope: Scope, streams: Streams) -> None:
     """Check every user op body once, where it is defined, used or not: its streams, the names
     it reads, its outputs assigned, its signature's types and inits, its kernels known."""
     # (Type-free: op parameters without types have no shapes; only names and streams are checked.)
+    from streamsched.dsl.compose import composite_ops
+
     err = scope.sink.err
+    blocks = composite_ops(scope)
     for op in scope.ops.values():
         if op.name in scope.stdlib_ops:
             continue
         try:
+            block = op.name in blocks
             if op.stream:
                 streams.stream(op.stream, False)
+            elif not block:
+                out0 = op.outs[0].name.id if op.outs else "y"
+                err("S015", f"op `{op.name}` needs a stream: its kernels run on one", op.name_span or op.span,
+                    help=f"give it one after its outputs: `-> {out0} on comp1 {{`")
             assigned = {t.id for st in op.body for t in st.targets}
             for o in op.outs:
                 if o.name.id not in assigned and o.name.id not in {p.name.id for p in op.params}:
@@ -221,15 +233,23 @@ def check_ops(scope: Scope, streams: Streams) -> None:
                         help=f"add a statement `{o.name.id} = ...` to its body")
             _check_signature(scope, op)
             defined = {p.name.id for p in op.params}
-            composite = any(isinstance(st.expr, A.Call) and st.expr.func.id in scope.ops
-                            and st.expr.func.id not in scope.kernels
-                            and st.expr.func.id not in getattr(scope, "kernel_defs", {}) for st in op.body)
+            inputs = {p.name.id for p in op.params}
+            composite = block
             for st in op.body:
                 if st.clauses.on is not None:
                     streams.stream(st.clauses.on, False)
-                for n in expr_names(st.expr):
-                    if n not in defined and n not in {p.name.id for p in op.params}:
-                        err("S007", f"unknown buffer `{n}` in op `{op.name}`", _find_var(st.expr, n) or st.span)
+                for n in expr_names(st.expr, kwargs=block):
+                    if block and "." in n:  # `s.w`: a parameter of the block's own statement s
+                        head = n.split(".", 1)[0]
+                        if head not in defined or head in inputs:
+                            err("S007", f"`{n}`: a block names parameters of its own statements only, and `{head}` "
+                                f"is no earlier statement of `{op.name}`", _find_var(st.expr, n) or st.span,
+                                help="tie to a statement of the block (`s.w`), or pass the value as an input")
+                    elif n not in defined:
+                        err("S007", f"unknown buffer `{n}` in op `{op.name}`", _find_var(st.expr, n) or st.span,
+                            help=(f"a block sees its inputs, its statements and its attributes: for a model's "
+                                  f"parameter, add `{n} = 1` to `op {op.name}(...)`'s parameters and pass "
+                                  f"`{n} = {n}` where the model calls it") if block else "")
                 if st.clauses.into is not None and st.clauses.into.id not in defined and \
                         st.clauses.into.id not in {t.id for t in st.targets}:  # (that one is S015)
                     err("S007", f"unknown buffer `{st.clauses.into.id}` in `into`", st.clauses.into.span,
@@ -271,8 +291,9 @@ def _check_signature(scope: Scope, op: A.OpDef) -> None:
 def _find_var(e: A.Expr, n: str) -> Span | None:
     if isinstance(e, A.Var) and e.name.id == n:
         return e.name.span
-    for ch in (getattr(e, "args", ()) or ()) + tuple(x for x in (getattr(e, "left", None), getattr(e, "right", None),
-                                                                 getattr(e, "operand", None)) if x is not None):
+    kw = tuple(k.value for k in (getattr(e, "kwargs", ()) or ()))
+    for ch in (getattr(e, "args", ()) or ()) + kw + tuple(x for x in (getattr(e, "left", None), getattr(e, "right", None),
+                                                                      getattr(e, "operand", None)) if x is not None):
         s = _find_var(ch, n)
         if s:
             return s
@@ -283,9 +304,11 @@ def _check_kernel_names(scope: Scope, e: A.Expr) -> None:
     kernels = scope.kernels
     if isinstance(e, A.Call):
         if e.func.id not in kernels and e.func.id not in scope.kernel_defs:
+            guess = difflib.get_close_matches(e.func.id, list(kernels) + list(scope.kernel_defs) + list(scope.ops), n=1)
             scope.sink.err("S014", f"unknown kernel `{e.func.id}`", e.func.span,
-                           help="kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` "
-                                "forms and those of `--kernels` modules")
+                           help=(f"did you mean `{guess[0]}`? " if guess else "") +
+                           "kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` "
+                           "forms and those of `--kernels` modules")
         for a in e.args:
             _check_kernel_names(scope, a)
     elif isinstance(e, A.BinOp):
@@ -295,17 +318,21 @@ def _check_kernel_names(scope: Scope, e: A.Expr) -> None:
         _check_kernel_names(scope, e.operand)
 
 
-def expr_names(e: A.Expr) -> set[str]:
-    """The buffer names an op-body expression reads."""
+def expr_names(e: A.Expr, kwargs: bool = False) -> set[str]:
+    """The buffer names an op-body expression reads (with `kwargs`, named arguments' too: a
+    block's attributes and tied parameters)."""
     if isinstance(e, A.Var):
         return {e.name.id}
     if isinstance(e, A.Call):
         out: set[str] = set()
         for a in e.args:
-            out |= expr_names(a)
+            out |= expr_names(a, kwargs)
+        if kwargs:
+            for k in e.kwargs:
+                out |= expr_names(k.value, kwargs)
         return out
     if isinstance(e, A.BinOp):
-        return expr_names(e.left) | expr_names(e.right)
+        return expr_names(e.left, kwargs) | expr_names(e.right, kwargs)
     if isinstance(e, (A.Neg, A.Transpose)):
-        return expr_names(e.operand)
+        return expr_names(e.operand, kwargs)
     return set()

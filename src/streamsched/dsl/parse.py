@@ -117,7 +117,7 @@ class _ToAst(Transformer):
     def dotted_var(self, meta, ch):
         # `tok.table`: a line's parameter, named where a `param` is tied to it (weight tying)
         sp = self._sp(meta)
-        return A.Var(A.Name(".".join(n.id for n in ch), sp), sp)
+        return A.Var(A.Name(str(ch[0]), sp), sp)
 
     @v_args(meta=True)
     def kwarg(self, meta, ch):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from streamsched.diagnostics import SourceCache, StreamschedError
 from streamsched.dsl.backward import SEED, derive_backward, grad_name
-from streamsched.dsl.compose import check_block_backwards, check_line_places, inline_model
+from streamsched.dsl.compose import check_blocks, check_line_places, inline_model
 from streamsched.dsl.graphs import assign_slots, copies_inputs, expand_graphs
 from streamsched.dsl.kernels import compile_kernel_defs
 from streamsched.dsl.load import load_program_files
@@ -63,7 +63,7 @@ def run_passes(scope: Scope, path: str, policy: str | None, capture: str | None)
                                              scope.kernel_origins))
     check_ops(scope, streams)
     check_places(scope, streams)
-    check_block_backwards(scope)
+    check_blocks(scope)
     # The train block says which model is trained.
     train = train_settings(scope)
     model_ast = trained_model(scope, train)

@@ -42,8 +42,17 @@ def suggest_order(schedule: Schedule, first: Task, second: Task) -> tuple[str, t
             and s2.line_tail is not None):
         p1 = s1.line_path or (("", s1.line, s1.line_tail),)
         p2 = s2.line_path or (("", s2.line, s2.line_tail),)
-        for (sc1, r1, _), (sc2, r2, tail2) in zip(p1, p2):
+        for e1, e2 in zip(p1, p2):
+            (sc1, r1), (sc2, r2, tail2) = e1[:2], e2[:3]
             if sc1 != sc2:
+                # different instances: the later one's statement reads what the earlier one's
+                # output line made, as one of the block's inputs: `after INPUT` orders it so
+                fed = dict(e2[3]) if len(e2) > 3 else {}
+                if s1.line in fed and tail2 is not None and not any(len(e) > 3 and e[0] == sc1 for e in p2):
+                    inp = fed[s1.line]
+                    return (f"add `after {inp}` to the line of the block inlined as `{sc2}`, `{r2} = ...` "
+                            f"(its input `{inp}` is `{s1.line}` there: the line that made it runs first)",
+                            (insert_after(tail2, inp),), ())
                 break
             if r1 != r2:
                 if tail2 is None:
