@@ -1,18 +1,19 @@
 """The CUDA backend behind the training loop's small interface (run / read / write / sync /
-last_loss), the twin of `train.CpuRunner`."""
+epoch_losses / last_loss / device_evaluator), the twin of `training.runners.CpuRunner`."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from streamsched.interp.cuda.executor import CudaExecutor, CudaTaskError
+from streamsched.interp.training.losses import EpochLosses, TaskFailedError
 
 
 class CudaRunner:
     """Runs a compiled program's EventPlan on the GPU in its capture mode (none | graphs | step).
 
     read(name) -> ndarray waits for every stream first; a kernel or capture failure becomes
-    `train.TaskFailedError` naming the task (and so its .sched line)."""
+    `training.losses.TaskFailedError` naming the task (and so its .sched line)."""
 
     name = "cuda"
 
@@ -26,8 +27,6 @@ class CudaRunner:
         self._values: list[float] = []  # per-step losses, only when the device cannot sum them
 
     def _wrap(self, fn, *args):
-        from streamsched.interp.train import TaskFailedError
-
         try:
             return fn(*args)
         except CudaTaskError as e:
@@ -44,8 +43,6 @@ class CudaRunner:
     def epoch_losses(self):
         """The losses of the steps issued since the last call: one synchronize and one 32-byte
         read per epoch (the device-side sum, `LossAccumulator`)."""
-        from streamsched.interp.train import EpochLosses
-
         acc = self.ex.accumulator
         if acc is None:
             vals, self._values = self._values, []
