@@ -51,6 +51,30 @@ class CudaRunner:
         total, steps, bad, value = acc.take(self.ex.ctx.streams[self.ex.ctx.names[0]])
         return EpochLosses(total, steps, bad if bad >= 0 else None, value)
 
+    def device_evaluator(self, program, x: np.ndarray, y: np.ndarray):
+        """The test split (x, y) evaluated on the GPU (`cuda.evaluate.DeviceEvaluator`: the eval
+        forward captured as one graph per batch, one read per evaluation); eager launches when
+        the capture fails.  Raises NotImplementedError when the eval forward cannot run on the
+        device (the loop then evaluates in NumPy)."""
+        from streamsched.interp.cuda.evaluate import DeviceEvaluator
+
+        try:
+            return DeviceEvaluator(self.ex, program, x, y)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # a capture failure: the same work, launched eagerly
+            try:
+                ev = DeviceEvaluator(self.ex, program, x, y, capture=False)
+            except NotImplementedError:
+                raise
+            except Exception as exc2:
+                raise NotImplementedError(f"the eval forward failed on the device ({exc2})") from None
+            import sys
+
+            print(f"note: the eval forward could not be captured ({type(exc).__name__}: {exc}); it is launched "
+                  "eagerly", file=sys.stderr)
+            return ev
+
     def read(self, name: str) -> np.ndarray:
         return np.array(self._wrap(self.ex.get, name))
 

@@ -78,11 +78,11 @@ class HostEvaluator:
         return evaluate(self.program, params, self.x, self.y)
 
 
-def make_evaluator(runner, program, x: np.ndarray, y: np.ndarray, names: list[str]):
+def make_evaluator(runner, program, x: np.ndarray, y: np.ndarray, names: list[str], echo=None):
     """The runner's device evaluator when it has one (`runner.device_evaluator`, the CUDA
     backend), else `HostEvaluator`.  A model whose eval forward cannot run on the device (a host
     kernel, a kernel without a CUDA twin) falls back to the host with a one-line notice on
-    stderr; `STREAMSCHED_EVAL=host` asks for the host (NumPy) evaluation on any backend."""
+    `echo` (default stderr); `STREAMSCHED_EVAL=host` asks for the host (NumPy) evaluation on any backend."""
     import os
 
     make = getattr(runner, "device_evaluator", None)
@@ -90,5 +90,6 @@ def make_evaluator(runner, program, x: np.ndarray, y: np.ndarray, names: list[st
         try:
             return make(program, x, y)
         except NotImplementedError as exc:
-            print(f"note: evaluating on the host: {exc}", file=sys.stderr)
+            line = f"note: evaluating on the host: {exc}"
+            echo(line) if echo is not None else print(line, file=sys.stderr)
     return HostEvaluator(program, x, y, names)

@@ -309,7 +309,9 @@ class Run:
             self.result.note = "--steps 0"
         self.local_total = max(0, self.epochs - self.start_epoch) * spe
         dp.plan(self.start_epoch, self.epochs)
-        self.evaluator = make_evaluator(runner, self.program, self.ds.x_test, self.ds.y_test, self.ck.saved)
+        self.evaluator = make_evaluator(runner, self.program, self.ds.x_test, self.ds.y_test, self.ck.saved,
+                                        self.echo)
+        self.result.eval_on = self.evaluator.where
         self.done_epoch = self.start_epoch
         self.baseline()
 

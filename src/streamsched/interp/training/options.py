@@ -68,6 +68,9 @@ class TrainResult:
     of its losses (which waits for the device), evaluation and checkpoints excluded."""
     eval_s: float = 0.0
     """Seconds spent evaluating (and reading parameters for it), all epochs together."""
+    eval_on: str = ""
+    """Where the test split was evaluated: "device" (one captured graph per batch on the GPU) or
+    "host" (NumPy), "" before any evaluation was set up."""
     first_step_s: float = 0.0
     """Seconds from the start of `train` (data loaded, backend set up, graphs captured, kernels
     compiled) to the first step's issue."""
