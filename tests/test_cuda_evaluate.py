@@ -2,9 +2,12 @@
 test set, the loss and accuracy reduced on the device and read once, give what the NumPy
 `evaluate` gives.  Needs CuPy and a GPU (marker `cuda`).
 
-Tolerance: the mean loss within 1e-4 relative (the CUDA twins' float32 arithmetic against
-NumPy's, then the same f64 log-sum-exp); the accuracy within 2 test samples (a logit row whose
-two largest entries are within float32 rounding of each other may pick another class)."""
+Tolerance: for f32 models the mean loss within 1e-4 relative (the CUDA twins' float32
+arithmetic against NumPy's, then the same f64 log-sum-exp) and the accuracy within 2 test
+samples (a logit row whose two largest entries are within float32 rounding of each other may
+pick another class); for the f16 model (seed_step), whose NumPy evaluation runs in f32 while the
+device runs its f16 kernels, the loss within 2e-2 relative and the accuracy within 1 % of the
+test samples."""
 
 from __future__ import annotations
 
@@ -56,8 +59,9 @@ def test_device_evaluation_equals_numpy_evaluate(cp, name):
     ev = DeviceEvaluator(runner.ex, prog, ds.x_test, ds.y_test)
     assert ev.graph is not None  # captured, not the eager fallback
     loss, acc = ev(runner)
-    assert loss == pytest.approx(host_loss, rel=1e-4)
-    assert abs(acc - host_acc) <= 2 / len(ds.x_test)
+    f16 = name == "seed_step"
+    assert loss == pytest.approx(host_loss, rel=2e-2 if f16 else 1e-4)
+    assert abs(acc - host_acc) <= (max(2, 0.01 * len(ds.x_test)) if f16 else 2) / len(ds.x_test)
     # a second call (the counter reset, the same graph) gives the very same sums
     assert ev(runner) == (loss, acc)
     # eager launches of the same work give the same sums, bitwise

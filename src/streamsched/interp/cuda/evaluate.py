@@ -148,6 +148,8 @@ class DeviceEvaluator:
             arrays[n] = cp.zeros(tuple(bf.shape), dtype=dt)
         self.xin = next(n for n in names if n.split("[")[0] == feat)
         self.yin = next((n for n in names if n.split("[")[0] == lab), None)
+        if m.logits not in arrays:
+            raise NotImplementedError(f"the eval forward does not compute the logits `{m.logits}`")
         logits = arrays[m.logits]
         if logits.ndim != 2:
             raise NotImplementedError(f"the logits `{m.logits}` are not [rows, classes]")
@@ -163,6 +165,8 @@ class DeviceEvaluator:
         xp = np.zeros((self.nb * b,) + tuple(xa.shape[1:]), dtype=xa.dtype)
         xp[:n_test] = np.asarray(x).reshape((n_test,) + tuple(xa.shape[1:]))
         yflat = np.asarray(y).reshape(-1)
+        if yflat.size != self.total:
+            raise NotImplementedError(f"{yflat.size} labels for {self.total} logit rows")
         ydt = np.int64 if yflat.dtype == np.int64 else np.int32
         yp = np.zeros(self.nb * self.rows_per_batch, dtype=ydt)
         yp[:self.total] = yflat
