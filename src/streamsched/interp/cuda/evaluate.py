@@ -114,10 +114,17 @@ class DeviceEvaluator:
     where = "device"
 
     def __init__(self, ex, program, x: np.ndarray, y: np.ndarray, capture: bool = True):
-        from streamsched.interp.memory import ARRAY_DTYPES
-
         cp = self.cp = cupy_module()
         self.ex, self.ctx = ex, ex.ctx
+        with ex.ctx.streams[ex.ctx.names[0]]:  # every allocation and upload on the home stream
+            self._init(program, x, y, capture, cp)
+        self.home.synchronize()
+        self._build(capture)
+
+    def _init(self, program, x, y, capture, cp) -> None:
+        from streamsched.interp.memory import ARRAY_DTYPES
+
+        ex = self.ex
         m = program.model
         self.batch = b = int(m.batch)
         self.home_name = self.ctx.names[0]
@@ -219,7 +226,6 @@ class DeviceEvaluator:
         self._sum = self.mod.get_function("ss_eval_sum")
         self.graph = None
         self.pool = cp.cuda.MemoryPool()
-        self._build(capture)
 
     def _body(self) -> None:
         """One batch: inputs taken at the device counter, the forward, the rows, the counter.

@@ -12,16 +12,18 @@ from streamsched.interp.training.losses import EpochLosses, TaskFailedError
 class CudaRunner:
     """Runs a compiled program's EventPlan on the GPU in its capture mode (none | graphs | step).
 
+    resident: the training set held on the device (`--data-on`), or None.
     read(name) -> ndarray waits for every stream first; a kernel or capture failure becomes
     `training.losses.TaskFailedError` naming the task (and so its .sched line)."""
 
     name = "cuda"
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, resident=None):
         m = compiled.program.model
         self.loss = m.loss if m is not None else None
+        self.resident = resident  # cuda.resident.ResidentData, or None: host staging
         self.ex = CudaExecutor(compiled.schedule, compiled.plan, compiled.program.kernels,
-                               capture=compiled.schedule.capture, accumulate=self.loss)
+                               capture=compiled.schedule.capture, accumulate=self.loss, resident=resident)
         self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
         self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self.loss in t.outs)
         self._values: list[float] = []  # per-step losses, only when the device cannot sum them

@@ -290,25 +290,35 @@ class Run:
         self.ck.load()
         dp = self.dp = DataPath(self.program, self.data, self.data_base, self.spans, self.seed, opts.data_limit)
         self.ds, self.spe, self.classes = dp.ds, dp.spe, dp.classes
-        runner = make_runner(self.c, opts)
+        self.start_epoch = self.ck.resumed.epochs_done if self.ck.resumed else 0
+        self.base_step = self.ck.resumed.step if self.ck.resumed else 0  # absolute steps before this run
+        self.local_total = max(0, self.epochs - self.start_epoch) * dp.spe
+        dp.plan(self.start_epoch, self.epochs)
+        notes: list[str] = []
+        runner = make_runner(self.c, opts, data=dp, steps=self.local_total, notes=notes)
+        for line in notes:
+            self.echo(f"note: {line}")
         self.runner = runner
         self.result.backend = runner.name
+        self.resident = getattr(runner, "resident", None)
+        self.result.data_on = "device" if self.resident is not None else "host"
         threads, note = choose_threads(opts.threads, self.c.schedule)
         self.result.threads = threads
         if note:
             self.echo(f"note: {note}")
         self.start(runner)
         spe = self.spe
-        self.start_epoch = self.ck.resumed.epochs_done if self.ck.resumed else 0
-        self.base_step = self.ck.resumed.step if self.ck.resumed else 0  # absolute steps before this run
         total = self.base_step + max(0, self.epochs - self.start_epoch) * spe  # the run's end, absolute
         self.plan_lr(max(total, 1))
         if self.ck.resumed:
             self.resume_notes(total)
         if opts.max_steps == 0 and not self.result.note:
             self.result.note = "--steps 0"
-        self.local_total = max(0, self.epochs - self.start_epoch) * spe
-        dp.plan(self.start_epoch, self.epochs)
+        if self.resident is not None:  # the per-step scalars as host_fn would write them, the first two epochs
+            base = self.base_step
+            self.resident.fill_scalars(lambda name, j: self.lr_sched(base + j) if name == "lr" else float(base + j + 1))
+            self.upload_order(0)
+            self.upload_order(1)
         self.evaluator = make_evaluator(runner, self.program, self.ds.x_test, self.ds.y_test, self.ck.saved,
                                         self.echo)
         self.result.eval_on = self.evaluator.where
@@ -326,6 +336,8 @@ class Run:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
             self.epoch_now, self.losses, self.epoch_t0 = e + 1, EpochLosses(), time.perf_counter()
             self.epoch_first = self.steps_run  # steps of this run before this epoch
+            if e > self.start_epoch:  # the device is idle: the half of the epoch before takes the next one
+                self.upload_order(e - self.start_epoch + 1)
             for i in range(spe):
                 if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                     break
@@ -340,6 +352,11 @@ class Run:
             self.end_epoch(e)
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
+
+    def upload_order(self, e: int) -> None:
+        """Device-resident data: the order of this run's epoch e (from 0), when the run has it."""
+        if self.resident is not None and e < self.epochs - self.start_epoch:
+            self.resident.set_epoch(e, self.dp.batches.order(self.start_epoch + e))
 
     def host_fn(self, task: Task, arrays: dict, step: int | None = None) -> None:
         """Host work: batches into staging slots, scalars into pinned buffers.  step: the loop

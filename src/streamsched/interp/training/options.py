@@ -43,6 +43,11 @@ class TrainOptions:
     protect: tuple[str, ...] = ()
     argv: tuple[str, ...] | None = None
     overwrite: bool = False
+    data_on: str = "auto"
+    """Where the training set lives (`--data-on`): `host` (each step's batch staged into a pinned
+    slot by host tasks), `device` (uploaded once, each batch gathered on the GPU, no host work per
+    step), `auto` (device when the plan allows and it fits cuda.resident.DEVICE_SHARE of the free
+    GPU memory; the CPU backend always stages)."""
 
 
 @dataclass
@@ -68,6 +73,8 @@ class TrainResult:
     of its losses (which waits for the device), evaluation and checkpoints excluded."""
     eval_s: float = 0.0
     """Seconds spent evaluating (and reading parameters for it), all epochs together."""
+    data_on: str = "host"
+    """Where the training set was: "device" (held on the GPU, batches gathered there) or "host"."""
     eval_on: str = ""
     """Where the test split was evaluated: "device" (one captured graph per batch on the GPU) or
     "host" (NumPy), "" before any evaluation was set up."""

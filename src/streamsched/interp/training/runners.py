@@ -127,10 +127,25 @@ def _out_of_memory(exc, backend: str, compiled: Compiled | None = None) -> Strea
               help="use a smaller batch or smaller layer widths (and smaller state buffers); "
                    "`streamsched check` does not know how much memory the machine has")
 
-def make_runner(compiled: Compiled, opts: TrainOptions):
+
+DATA_ON = ("auto", "host", "device")
+
+
+def make_runner(compiled: Compiled, opts: TrainOptions, data=None, steps: int = 0, notes: list | None = None):
     """`--backend auto` picks CUDA when CuPy and a device are present, else the CPU with a notice;
-    `--backend cuda` without a GPU is an X020 diagnostic; arenas too large to allocate are X013."""
+    `--backend cuda` without a GPU is an X020 diagnostic; arenas too large to allocate are X013.
+
+    data: the run's data_path.DataPath and steps its number of steps, for `--data-on`
+    (opts.data_on): on the CUDA backend `device` holds the training set on the GPU
+    (cuda.resident.ResidentData; X004 when the plan cannot, X013 when it does not fit), `auto`
+    does so when the plan can and it fits cuda.resident.DEVICE_SHARE of the free device memory,
+    `host` stages every batch from the host; the CPU backend always stages (a note says so for
+    `device`).  notes: where to add the line that says which was chosen, when it was not the
+    one asked for."""
     from streamsched.interp.memory import ArenaOutOfMemory
+
+    if opts.data_on not in DATA_ON:
+        raise _x("X004", f"unknown --data-on `{opts.data_on}`", help="--data-on auto, host or device")
 
     want = opts.backend
     if want in ("auto", "cuda"):
@@ -144,7 +159,8 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
             from streamsched.interp.cuda.runner import CudaRunner
 
             try:
-                return CudaRunner(compiled)
+                resident = _resident(compiled, opts.data_on, data, steps, notes) if data is not None else None
+                return CudaRunner(compiled, resident=resident)
             except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
                 raise _out_of_memory(exc, "cuda", compiled) from None
         if want == "cuda":
@@ -153,8 +169,48 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
         print(f"note: no GPU ({why}); running on the CPU backend", file=sys.stderr)
     elif want != "cpu":
         raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
+    if opts.data_on == "device" and notes is not None:
+        notes.append("--data-on device: the CPU backend stages every batch from the host")
     try:
         return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
     except ArenaOutOfMemory as exc:
         raise _out_of_memory(exc, "cpu", compiled) from None
 
+
+
+def _resident(compiled: Compiled, mode: str, data, steps: int, notes: list | None):
+    """The ResidentData of a CUDA run with `--data-on mode` (None: host staging)."""
+    if mode == "host":
+        return None
+    from streamsched.interp.cuda.resident import DEVICE_SHARE, ResidentData, resident_bytes
+    from streamsched.interp.resident import resident_plan
+
+    rp = resident_plan(compiled.schedule, compiled.plan)
+    if rp.why_not:
+        if mode == "device":
+            raise _x("X004", f"--data-on device: this plan cannot hold its data on the device: {rp.why_not}",
+                     help="use --data-on host (or auto)")
+        return None
+    b = data.batches
+    scalars = len({g.name for g in rp.gathers.values() if g.kind == "scalar"})
+    need = resident_bytes(b.x, b.y, data.x_dtype, data.y_dtype, b.batch, data.spe, steps, scalars)
+    from streamsched.interp.cuda.device import cupy_module
+
+    free = int(cupy_module().cuda.runtime.memGetInfo()[0])
+    if need > DEVICE_SHARE * free:
+        if mode == "device" and need > free:
+            raise _x("X013", f"out of memory: the training set needs {_human_bytes(need)} on the GPU, "
+                     f"{_human_bytes(free)} are free", help="use --data-on host (or auto)")
+        if mode == "auto":
+            if notes is not None:
+                notes.append(f"the training set ({_human_bytes(need)}) is more than {DEVICE_SHARE:.0%} of the free GPU "
+                             f"memory ({_human_bytes(free)}): batches are staged from the host")
+            return None
+    try:
+        return ResidentData(rp, b.x.astype(data.x_dtype, copy=False), b.y.astype(data.y_dtype, copy=False),
+                            data.feat, b.batch, data.spe, steps)
+    except Exception as exc:
+        if "OutOfMemory" not in type(exc).__name__:
+            raise
+        raise _x("X013", f"out of memory: the training set needs {_human_bytes(need)} on the GPU",
+                 help="use --data-on host") from None
