@@ -335,6 +335,7 @@ class Run:
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
             self.epoch_now, self.losses, self.epoch_t0 = e + 1, EpochLosses(), time.perf_counter()
+            self.epoch_c0 = time.process_time()
             self.epoch_first = self.steps_run  # steps of this run before this epoch
             if e > self.start_epoch:  # the device is idle: the half of the epoch before takes the next one
                 self.upload_order(e - self.start_epoch + 1)
@@ -347,6 +348,7 @@ class Run:
                 self.after_step(k)
             self.losses = runner.epoch_losses()  # the one read of the epoch's losses
             self.result.epoch_steps.append((len(self.losses), time.perf_counter() - self.epoch_t0))
+            self.result.epoch_cpu_s.append(time.process_time() - self.epoch_c0)
             self.check_losses(e)
             runner.sync()
             self.end_epoch(e)

@@ -71,6 +71,9 @@ class TrainResult:
     epoch_steps: list[tuple[int, float]] = field(default_factory=list)
     """(steps, seconds) of each epoch's training phase: from its first step's issue to the read
     of its losses (which waits for the device), evaluation and checkpoints excluded."""
+    epoch_cpu_s: list[float] = field(default_factory=list)
+    """Host CPU seconds (time.process_time: every thread of the process) of each epoch's training
+    phase, the same span as epoch_steps."""
     eval_s: float = 0.0
     """Seconds spent evaluating (and reading parameters for it), all epochs together."""
     data_on: str = "host"
@@ -89,6 +92,14 @@ class TrainResult:
         rows = self.epoch_steps[1:] or self.epoch_steps
         n = sum(k for k, _ in rows)
         return 1e6 * sum(t for _, t in rows) / n if n else float("nan")
+
+    @property
+    def steady_cpu_us_per_step(self) -> float:
+        """Host CPU microseconds per training step over the epochs steady_us_per_step counts."""
+        rows = list(zip(self.epoch_steps, self.epoch_cpu_s))
+        rows = rows[1:] or rows
+        n = sum(k for (k, _), _ in rows)
+        return 1e6 * sum(c for _, c in rows) / n if n else float("nan")
 
     @property
     def final_accuracy(self) -> float:
