@@ -290,7 +290,8 @@ class DeviceEvaluator:
             else:
                 with self.cp.cuda.using_allocator(self.pool.malloc):
                     self._body()
-        self._sum((1,), (256,), (self.loss_rows, self.hit_rows, np.int64(self.total), self.out), stream=home)
+        with home:
+            self._sum((1,), (256,), (self.loss_rows, self.hit_rows, np.int64(self.total), self.out))
         got = self.out.get(stream=home)
         home.synchronize()
         return float(got[0]) / self.total, float(got[1]) / self.total
