@@ -160,7 +160,7 @@ def make_runner(compiled: Compiled, opts: TrainOptions, data=None, steps: int = 
 
             try:
                 resident = _resident(compiled, opts.data_on, data, steps, notes) if data is not None else None
-                return CudaRunner(compiled, resident=resident)
+                return CudaRunner(compiled) if resident is None else CudaRunner(compiled, resident=resident)
             except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
                 raise _out_of_memory(exc, "cuda", compiled) from None
         if want == "cuda":
