@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import signal
 import sys
 import time
@@ -22,7 +21,7 @@ from streamsched.interp.barriers import plan_segments
 from streamsched.interp.checkpoint import first_nonfinite
 from streamsched.interp.cpu_threads import blas_threads, choose_threads
 from streamsched.interp.ir import Task
-from streamsched.interp.lr import F32_MAX, make_schedule
+from streamsched.interp.lr import make_schedule
 from streamsched.interp.resume import changes, lr_meta, resume_command, schedule_from_meta
 from streamsched.interp.training.checkpoints import Checkpoints
 from streamsched.interp.training.data_path import DataPath
@@ -32,8 +31,8 @@ from streamsched.interp.training.losses import EpochLosses
 from streamsched.interp.training.options import TrainInterrupted, TrainOptions, TrainResult, _stderr_line, _x
 from streamsched.interp.training.run_log import RunLog
 from streamsched.interp.training.runners import make_runner
-from streamsched.interp.training.settings import (_call, _layout_json, _log_output, _run_inputs, _whole_number,
-                                                  init_params, setting_dir)
+from streamsched.interp.training.settings import (_call, _layout_json, _log_output, _run_inputs, init_params,
+                                                  run_settings, setting_dir)
 from streamsched.interp.training.signals import _quiet_numpy, _signals_deferred
 from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, holder_info, new_run_id,
                                  remove_stale_temps)
@@ -81,33 +80,7 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
     tv = dict(program.train)
     spans = dict(program.train_spans)
     # Settings first, every output second, the data last: a mistake stops the run before any work.
-    if opts.seed is not None:
-        seed = _whole_number(opts.seed, "seed", None, minimum=0, flag="--seed")
-    else:
-        seed = _whole_number(tv.get("seed", 0), "seed", spans.get("seed"), minimum=0, flag=None)
-    if opts.epochs is not None:
-        epochs = _whole_number(opts.epochs, "epochs", None, minimum=1, flag="--epochs")
-    else:
-        epochs = _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None)
-    if opts.max_steps is not None:
-        _whole_number(opts.max_steps, "steps", None, minimum=0, flag="--steps")
-    _whole_number(opts.interleave_seed, "seed", None, minimum=0, flag="--interleave-seed")
-    if opts.threads is not None:
-        _whole_number(opts.threads, "threads", None, minimum=1, flag="--threads")
-    if opts.lr is not None and (isinstance(opts.lr, bool) or not isinstance(opts.lr, (int, float))
-                                or not math.isfinite(opts.lr) or opts.lr < 0):
-        raise _x("X004", f"--lr must be a non-negative number, got {opts.lr!r}", help="e.g. `--lr 0.05`")
-    if opts.lr is not None and opts.lr > F32_MAX:
-        raise _x("X004", f"--lr {opts.lr:g} is beyond f32's range ({F32_MAX:.3g}), the dtype the rate is uploaded in",
-                 help="e.g. `--lr 0.05`")
-    for flag, value in (("--resume", opts.resume), ("--resume-weights", opts.resume_weights)):
-        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
-            raise _x("X004", f"{flag} needs a file name, got {'an empty one' if value == '' else repr(value)}",
-                     help=f"give {flag} the checkpoint to read, e.g. `{flag} run.npz`")
-    if opts.resume and opts.resume_weights:
-        raise _x("X004", "--resume and --resume-weights exclude each other",
-                 help="--resume continues a run (its optimizer state, epochs and learning rate too); "
-                      "--resume-weights starts a new run from a checkpoint's parameters: give one of them")
+    seed, epochs = run_settings(program, opts)
     data = _call(tv.get("data", CallValue("digits", (), ())), "digits")
     data_base = setting_dir(spans.get("data"), base_dir)
     inputs = _run_inputs(program, opts, data, data_base)

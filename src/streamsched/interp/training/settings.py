@@ -212,3 +212,43 @@ def _planned_steps(program, tv: dict, data: tuple) -> int | None:
         return None
 
 
+def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
+    """(seed, epochs) of a run of `program` with `opts`, after every command-line value is
+    checked (X004): whole-number --seed, --epochs, --steps, --interleave-seed and --threads (the
+    train block's seed and epochs when not given), a finite non-negative --lr within f32's range,
+    file names for --resume / --resume-weights (not both), a known --data-on."""
+    from streamsched.interp.lr import F32_MAX
+    from streamsched.interp.training.runners import DATA_ON
+
+    tv = dict(program.train)
+    spans = dict(program.train_spans)
+    if opts.seed is not None:
+        seed = _whole_number(opts.seed, "seed", None, minimum=0, flag="--seed")
+    else:
+        seed = _whole_number(tv.get("seed", 0), "seed", spans.get("seed"), minimum=0, flag=None)
+    if opts.epochs is not None:
+        epochs = _whole_number(opts.epochs, "epochs", None, minimum=1, flag="--epochs")
+    else:
+        epochs = _whole_number(tv.get("epochs", 10), "epochs", spans.get("epochs"), minimum=1, flag=None)
+    if opts.max_steps is not None:
+        _whole_number(opts.max_steps, "steps", None, minimum=0, flag="--steps")
+    _whole_number(opts.interleave_seed, "seed", None, minimum=0, flag="--interleave-seed")
+    if opts.threads is not None:
+        _whole_number(opts.threads, "threads", None, minimum=1, flag="--threads")
+    if opts.lr is not None and (isinstance(opts.lr, bool) or not isinstance(opts.lr, (int, float))
+                                or not math.isfinite(opts.lr) or opts.lr < 0):
+        raise _x("X004", f"--lr must be a non-negative number, got {opts.lr!r}", help="e.g. `--lr 0.05`")
+    if opts.lr is not None and opts.lr > F32_MAX:
+        raise _x("X004", f"--lr {opts.lr:g} is beyond f32's range ({F32_MAX:.3g}), the dtype the rate is uploaded in",
+                 help="e.g. `--lr 0.05`")
+    for flag, value in (("--resume", opts.resume), ("--resume-weights", opts.resume_weights)):
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+            raise _x("X004", f"{flag} needs a file name, got {'an empty one' if value == '' else repr(value)}",
+                     help=f"give {flag} the checkpoint to read, e.g. `{flag} run.npz`")
+    if opts.resume and opts.resume_weights:
+        raise _x("X004", "--resume and --resume-weights exclude each other",
+                 help="--resume continues a run (its optimizer state, epochs and learning rate too); "
+                      "--resume-weights starts a new run from a checkpoint's parameters: give one of them")
+    if opts.data_on not in DATA_ON:
+        raise _x("X004", f"unknown --data-on `{opts.data_on}`", help="--data-on auto, host or device")
+    return seed, epochs
