@@ -92,3 +92,23 @@ def test_data_on_is_checked_and_the_cpu_says_it_stages(capsys):
                 echo=lines.append)
     assert res.data_on == "host"
     assert "note: --data-on device: the CPU backend stages every batch from the host" in lines
+
+
+def test_a_scalar_the_gather_cannot_copy_keeps_the_data_on_the_host():
+    """Decided before any GPU work: `device` is X004 naming the scalar, `auto` stages."""
+    from dataclasses import replace
+
+    from streamsched.diagnostics import StreamschedError
+    from streamsched.interp.training.data_path import DataPath
+    from streamsched.interp.training.runners import _resident
+
+    c = _compiled("mlp_digits")
+    bufs = tuple(replace(b, dtype="f16") if b.name == "lr" else b for b in c.schedule.buffers)
+    c2 = replace(c, schedule=replace(c.schedule, buffers=bufs))
+    dp = DataPath(c.program, ("digits", (), {}), EXAMPLES, {}, 0, None)
+    with pytest.raises(StreamschedError) as err:
+        _resident(c2, "device", dp, 10, [])
+    (d,) = err.value.diagnostics
+    assert d.code == "X004" and "the scalar `lr` is float16, which the device gather does not copy" in d.message
+    assert _resident(c2, "auto", dp, 10, []) is None
+    assert _resident(c, "host", dp, 10, []) is None

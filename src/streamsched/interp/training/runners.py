@@ -5,6 +5,7 @@ one as `--backend` asks (X004, X013, X020)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -186,6 +187,16 @@ def _resident(compiled: Compiled, mode: str, data, steps: int, notes: list | Non
     from streamsched.interp.resident import resident_plan
 
     rp = resident_plan(compiled.schedule, compiled.plan)
+    if not rp.why_not:  # what the gather twins can copy: 2-, 4- and 8-byte inputs, 4- and 8-byte scalars
+        from streamsched.interp.memory import ARRAY_DTYPES
+
+        dtypes = {b.name: b.dtype for b in compiled.schedule.buffers}
+        for g in rp.gathers.values():
+            dt = ARRAY_DTYPES.get(dtypes.get(compiled.schedule.tasks[g.task].outs[0], ""))
+            if dt is None or dt.itemsize not in ((4, 8) if g.kind == "scalar" else (2, 4, 8)):
+                rp = replace(rp, why_not=f"the {g.kind} `{g.name}` is {dt or 'of no array dtype'}, which the device "
+                                         "gather does not copy")
+                break
     if rp.why_not:
         if mode == "device":
             raise _x("X004", f"--data-on device: this plan cannot hold its data on the device: {rp.why_not}",
