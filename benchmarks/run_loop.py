@@ -3,25 +3,34 @@ step's own GPU time measured in the same process, and against the same training 
 PyTorch user writes it.
 
     python benchmarks/run_loop.py [--json benchmarks/results/h200.json] [--models mlp_digits,seed_step]
-                                  [--torch mlp_digits,resnet_digits] [--epochs N]
+                                  [--torch mlp_digits,resnet_digits] [--epochs N] [--data-on host,device]
 
 For each streamsched model (an example file, trained as `streamsched run` trains it, on the CUDA
-backend, in this process):
+backend, in this process), once per data mode (`--data-on`: the first mode's figures at the top
+level of the row, each other mode's under `<mode>_data`, e.g. `device_data`):
+  data_on           where the training set was: host (staged into pinned slots every step) or
+                    device (uploaded once, each batch gathered on the GPU by the step itself)
+  eval_on           where the test split was evaluated (device: one captured graph per batch)
   run_us_per_step   the loop's steady-state wall time per training step: every epoch but the
                     first, from its first step's issue to the one read of its losses (which waits
                     for the device); evaluation and checkpoints excluded (TrainResult.epoch_steps)
+  cpu_us_per_step   host CPU time (time.process_time, every thread) per step over the same span
   eval_s            seconds spent evaluating, all epochs
-  first_step_s      seconds from `train()` to the first step (data, backend, capture, compile)
+  first_step_s      seconds from compile_file to the first step (compile, data, backend, capture)
+  run_wall_s        the whole run: first step to the end (TrainResult.wall_s); train_call_s: the
+                    whole train() call (setup included)
   step_us           the captured step's GPU time: the same compiled plan, its steady-state
                     segments replayed 300 times (5 repetitions, median) with the host's staging
                     left out (benchmarks/step_time.py `ss_variant(..., replay_only=True)`)
-  ratio             run_us_per_step / step_us (target: at most 1.10)
+  ratio             run_us_per_step / step_us (target: at most 1.10), per data mode
   test_acc          the run's final test accuracy
 For each PyTorch model (--torch): the same model, data split, batches (streamsched's epoch order),
 initial weights, optimizer and learning-rate schedule, in a loop over device tensors (no
 DataLoader): `eager` and `graph` (the whole step captured with torch.cuda.graph, the batch
 gathered inside it from a static index tensor, the learning rate a device tensor), each reading
-the loss once per epoch; wall-clock of the whole run and per step, and test accuracy.
+the loss once per epoch; wall-clock per step, host CPU per step, of the whole run, and test
+accuracy.  seed_step (f16 CNN with LARS and a dynamic loss scale) has no PyTorch twin here;
+resnet_digits (the f32 CNN) is its PyTorch comparison.
 Figures go under `run_loop.<model>` of the JSON (merged into an existing file).
 """
 
@@ -43,8 +52,27 @@ sys.path.insert(0, HERE)
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def run_streamsched(name: str, epochs: int | None) -> dict:
-    from streamsched.interp.train import TrainOptions, init_params, train
+def _ss_run(c, epochs: int | None, data_on: str) -> dict:
+    """One `streamsched run` of compiled `c` on the CUDA backend with `--data-on data_on`."""
+    from streamsched.interp.train import TrainOptions, train
+
+    t0 = time.perf_counter()
+    res = train(c, TrainOptions(backend="cuda", epochs=epochs, progress=False, data_on=data_on), base_dir=EXAMPLES,
+                echo=lambda s: None)
+    return {"data_on": res.data_on, "eval_on": res.eval_on,
+            "run_us_per_step": round(res.steady_us_per_step, 1),
+            "cpu_us_per_step": round(res.steady_cpu_us_per_step, 1),
+            "eval_s": round(res.eval_s, 3), "first_step_s": round(res.first_step_s, 3),
+            "run_wall_s": round(res.wall_s, 3), "train_call_s": round(time.perf_counter() - t0, 3),
+            "steps": res.steps, "epochs": len(res.history),
+            "test_acc": res.history[-1].get("test_acc") if res.history else None,
+            "train_loss": res.history[-1].get("train_loss") if res.history else None}
+
+
+def run_streamsched(name: str, epochs: int | None, data_modes=("host", "device")) -> dict:
+    """The model's `streamsched run` once per data mode (the first one's figures at the top level,
+    the others under `<mode>_data`), and the captured step's GPU time, same plan, same process."""
+    from streamsched.interp.train import init_params
     from streamsched.pipeline import compile_file
     from step_time import ss_variant
 
@@ -52,14 +80,14 @@ def run_streamsched(name: str, epochs: int | None) -> dict:
     t0 = time.perf_counter()
     c = compile_file(path)
     compile_s = time.perf_counter() - t0
-    res = train(c, TrainOptions(backend="cuda", epochs=epochs, progress=False), base_dir=EXAMPLES,
-                echo=lambda s: None)
-    out = {"run_us_per_step": round(res.steady_us_per_step, 1), "eval_s": round(res.eval_s, 3),
-           "first_step_s": round(compile_s + res.first_step_s, 3), "run_wall_s": round(res.wall_s, 3),
-           "steps": res.steps, "epochs": len(res.history),
-           "test_acc": res.history[-1].get("test_acc") if res.history else None,
-           "train_loss": res.history[-1].get("train_loss") if res.history else None}
-    # the captured step's GPU time, same plan, same process
+    out: dict = {}
+    for i, mode in enumerate(data_modes):
+        row = _ss_run(c if i == 0 else compile_file(path), epochs, mode)
+        row["first_step_s"] = round(row["first_step_s"] + compile_s, 3)  # from the command: compile too
+        if i == 0:
+            out.update(row)
+        else:
+            out[f"{mode}_data"] = row
     from streamsched.interp.data import load_dataset
     from streamsched.interp.train import _call, _fit_samples, _input_names
     from streamsched.dsl.resolve import CallValue
@@ -81,7 +109,8 @@ def run_streamsched(name: str, epochs: int | None) -> dict:
     step = ss_variant(path, c.schedule.capture, spec, init, args, replay_only=True)
     out["step_us"] = step.get("gpu_us")
     out["step_host_us"] = step.get("host_us")
-    out["ratio"] = round(out["run_us_per_step"] / out["step_us"], 3) if out.get("step_us") else None
+    for row in [out] + [v for k, v in out.items() if k.endswith("_data") and isinstance(v, dict)]:
+        row["ratio"] = round(row["run_us_per_step"] / out["step_us"], 3) if out.get("step_us") else None
     return out
 
 
@@ -175,11 +204,13 @@ def torch_loop(name: str, variant: str, epochs: int | None) -> dict:
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t_start
     step_time = []
+    step_cpu = []
     k = 0
     for e in range(epochs):
         order = torch.tensor(batches.order(e), device=dev, dtype=torch.long)
         loss_sum.zero_()
         t0 = time.perf_counter()
+        c0 = time.process_time()
         for i in range(spe):
             idx.copy_(order[i * m.batch:(i + 1) * m.batch])
             if isinstance(opt.param_groups[0]["lr"], torch.Tensor):
@@ -190,6 +221,7 @@ def torch_loop(name: str, variant: str, epochs: int | None) -> dict:
             k += 1
         mean_loss = float(loss_sum) / spe  # the one read of the epoch
         step_time.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
         if not math.isfinite(mean_loss):
             break
     model.eval()
@@ -197,7 +229,9 @@ def torch_loop(name: str, variant: str, epochs: int | None) -> dict:
         acc = float((model(x_test).argmax(1).cpu().numpy() == ds.y_test).mean())
     wall = time.perf_counter() - t_start
     steady = step_time[1:] or step_time
-    return {"us_per_step": round(1e6 * sum(steady) / (len(steady) * spe), 1), "wall_s": round(wall, 3),
+    steady_cpu = step_cpu[1:] or step_cpu
+    return {"us_per_step": round(1e6 * sum(steady) / (len(steady) * spe), 1),
+            "cpu_us_per_step": round(1e6 * sum(steady_cpu) / (len(steady_cpu) * spe), 1), "wall_s": round(wall, 3),
             "first_step_s": round(first_step_s, 3), "test_acc": acc, "train_loss": mean_loss, "epochs": epochs}
 
 
@@ -207,11 +241,14 @@ def main() -> None:
     ap.add_argument("--models", default="mlp_digits,seed_step")
     ap.add_argument("--torch", default="mlp_digits,resnet_digits")
     ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--data-on", default="host,device",
+                    help="streamsched's data modes, the first one at the top level of each row (default host,device)")
     args = ap.parse_args()
+    modes = tuple(m for m in args.data_on.split(",") if m)
     out: dict = {}
     for name in [n for n in args.models.split(",") if n]:
         try:
-            out[name] = run_streamsched(name, args.epochs)
+            out[name] = run_streamsched(name, args.epochs, modes)
         except Exception as exc:  # report, go on with the others
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(name, json.dumps(out[name]), flush=True)
@@ -225,7 +262,7 @@ def main() -> None:
             print(name, variant, json.dumps(row[f"torch_{variant}"]), flush=True)
         if name not in (args.models.split(",")):
             try:
-                row.update(run_streamsched(name, args.epochs))
+                row.update(run_streamsched(name, args.epochs, modes))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
             print(name, json.dumps(row), flush=True)

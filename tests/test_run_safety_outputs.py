@@ -333,7 +333,9 @@ def test_a_full_disk_when_the_log_closes_is_x021(proj, monkeypatch):
             self.f.close()
             raise OSError(28, "No space left on device")
 
-    real = train_mod.open_log
-    monkeypatch.setattr(train_mod, "open_log", lambda out: Full(real(out)))
+    import streamsched.interp.training.run_log as log_mod  # where the log moved (issue 14)
+
+    real = log_mod.open_log
+    monkeypatch.setattr(log_mod, "open_log", lambda out: Full(real(out)))
     rc, out, err = run_tiny_quiet(sched, "--epochs", "1", "--log", "new.jsonl")
     assert rc == 1 and "error[X021]: cannot write the log `new.jsonl`: No space left on device" in err

@@ -241,6 +241,8 @@ def test_f3_an_accuracy_collapse_stops_before_its_epoch_is_saved(proj, capsys, m
     root, sched = proj
     import streamsched.interp.train as train_mod
 
+    import streamsched.interp.training.evaluation as eval_mod  # where evaluate moved (issue 14)
+
     real = train_mod.evaluate
     calls = []
 
@@ -249,7 +251,7 @@ def test_f3_an_accuracy_collapse_stops_before_its_epoch_is_saved(proj, capsys, m
         loss, _ = real(program, params, x, y)
         return loss, (0.95 if len(calls) < 3 else 0.30)
 
-    monkeypatch.setattr(train_mod, "evaluate", collapsing)
+    monkeypatch.setattr(eval_mod, "evaluate", collapsing)
     assert run_tiny(capsys, sched, "--epochs", "2", "--save", "ck.npz", "--log", "run.jsonl")[0] == 0
     calls.clear()
     calls.extend([1, 1])

@@ -242,6 +242,7 @@ def cmd_run(args) -> int:
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
                             save=args.save, resume=args.resume, resume_weights=args.resume_weights,
                             overwrite=args.overwrite,
+                            data_on=args.data_on,
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
                             argv=tuple(args.argv))
@@ -401,6 +402,10 @@ def build_parser() -> "argparse.ArgumentParser":
     r.add_argument("--interleave", choices=["fixed", "random"], default="fixed",
                    help="CPU backend: stream interleaving")
     r.add_argument("--interleave-seed", type=int, default=0)
+    r.add_argument("--data-on", choices=["auto", "host", "device"], default="auto",
+                   help="where the training set lives on the CUDA backend: device (uploaded once, each batch "
+                        "gathered on the GPU, no host work per step), host (staged every step), auto (device when "
+                        "it fits a quarter of the free GPU memory)")
     r.add_argument("--log", help="append one JSON line per epoch (only to a log streamsched wrote)")
     r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch; replaces an existing "
                                   "checkpoint only when this run continues it with --resume, or with --overwrite)")

@@ -108,13 +108,15 @@ class CudaExecutor:
     graph nodes each task created (`CapturedUnit.task_nodes` / `.node_task`).  accumulate: a
     scalar buffer (the model's loss) summed on the device after every task that writes it, in
     the same stream (captured into the graph under capture), so the training loop reads one
-    total per epoch instead of synchronizing every step (`LossAccumulator`).
+    total per epoch instead of synchronizing every step (`LossAccumulator`).  resident: a
+    `cuda.resident.ResidentData` (device-resident training data): its plan's host-to-device
+    copies are bound to device gathers, its host tasks and host waits are never issued.
     """
 
     def __init__(self, schedule: Schedule, plan: EventPlan, kernels: Mapping[str, Any] | None = None,
                  capture: str | None = None, *, ctx: DeviceContext | None = None,
                  sync_each: bool = False, tf32: bool = False, map_nodes: bool = True,
-                 accumulate: str | None = None):
+                 accumulate: str | None = None, resident=None):
         cp = cupy_module()
         self.cp = cp
         self.schedule = schedule
@@ -137,6 +139,7 @@ class CudaExecutor:
         self.ctx.init_blas()  # handles, streams and workspaces exist before any capture
         self.buffers = self._planned(schedule.buffers)
         self._buf = {b.name: b for b in self.buffers}
+        self.resident = resident
         self.arrays, self._arenas = self._allocate(self.buffers)
         self.host_arrays = {b.name: self.arrays[b.name] for b in self.buffers if b.space != "device"}
         self.events = self.ctx.make_events(plan.num_events)
@@ -157,6 +160,8 @@ class CudaExecutor:
         self._by_tuple: dict[int, tuple[tuple, Program]] = {}  # id(instrs) -> (instrs, its program)
         if self.capture != "none":
             self.capture_units()
+        if resident is not None:  # the warm-up ran each gather once: its counter starts again at 0
+            resident.reset()
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -262,6 +267,14 @@ class CudaExecutor:
             outs = [arrays[o] for o in t.outs]
         except KeyError as exc:
             raise CudaTaskError(f"unknown buffer {exc}", task=t, phase="bind") from None
+        g = self.resident.rp.gathers.get(t.id) if self.resident is not None else None
+        if g is not None:  # device-resident data: the copy from the pinned slot becomes a device gather
+            try:
+                if g.kind == "scalar":
+                    self.resident.table_for(g.name, outs[0].dtype)
+                fn, host, capturable = self.resident.twin(g), False, True
+            except Exception as exc:
+                raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=t, phase="bind") from exc
         return _Bound(t, fn, attrs, ins, outs, host, capturable)
 
     # -- eager issue --------------------------------------------------------------------------
@@ -277,6 +290,8 @@ class CudaExecutor:
         """Turn instructions (default: the whole plan) into a Program that `run` can issue many
         times; under capture, each begin..end range becomes one graph launch."""
         instrs = list(self.plan.instrs if instrs is None else instrs)
+        if self.resident is not None:  # no host tasks, no host waits
+            instrs = list(self.resident.rp.device_instrs(tuple(instrs)))
         ops: list = []
         streams, events = self.ctx.streams, self.events
         captured = self.capture != "none"
@@ -436,6 +451,8 @@ class CudaExecutor:
     def _sig(self, ins: Instr) -> tuple:
         if ins.op == "launch":
             t = self.schedule.tasks[ins.task]
+            if self.resident is not None and t.id in self.resident.rp.gathers:  # its own counter: its own graph
+                return ("gather", t.id)
             return ("launch", ins.stream, t.kernel, t.args, t.outs, t.attrs)
         return (ins.op, ins.stream, ins.event)
 

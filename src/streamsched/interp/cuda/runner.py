@@ -1,33 +1,34 @@
 """The CUDA backend behind the training loop's small interface (run / read / write / sync /
-last_loss), the twin of `train.CpuRunner`."""
+epoch_losses / last_loss / device_evaluator), the twin of `training.runners.CpuRunner`."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from streamsched.interp.cuda.executor import CudaExecutor, CudaTaskError
+from streamsched.interp.training.losses import EpochLosses, TaskFailedError
 
 
 class CudaRunner:
     """Runs a compiled program's EventPlan on the GPU in its capture mode (none | graphs | step).
 
+    resident: the training set held on the device (`--data-on`), or None.
     read(name) -> ndarray waits for every stream first; a kernel or capture failure becomes
-    `train.TaskFailedError` naming the task (and so its .sched line)."""
+    `training.losses.TaskFailedError` naming the task (and so its .sched line)."""
 
     name = "cuda"
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, resident=None):
         m = compiled.program.model
         self.loss = m.loss if m is not None else None
+        self.resident = resident  # cuda.resident.ResidentData, or None: host staging
         self.ex = CudaExecutor(compiled.schedule, compiled.plan, compiled.program.kernels,
-                               capture=compiled.schedule.capture, accumulate=self.loss)
+                               capture=compiled.schedule.capture, accumulate=self.loss, resident=resident)
         self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
         self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self.loss in t.outs)
         self._values: list[float] = []  # per-step losses, only when the device cannot sum them
 
     def _wrap(self, fn, *args):
-        from streamsched.interp.train import TaskFailedError
-
         try:
             return fn(*args)
         except CudaTaskError as e:
@@ -44,8 +45,6 @@ class CudaRunner:
     def epoch_losses(self):
         """The losses of the steps issued since the last call: one synchronize and one 32-byte
         read per epoch (the device-side sum, `LossAccumulator`)."""
-        from streamsched.interp.train import EpochLosses
-
         acc = self.ex.accumulator
         if acc is None:
             vals, self._values = self._values, []
@@ -53,6 +52,30 @@ class CudaRunner:
         self._wrap(self.ex.synchronize)
         total, steps, bad, value = acc.take(self.ex.ctx.streams[self.ex.ctx.names[0]])
         return EpochLosses(total, steps, bad if bad >= 0 else None, value)
+
+    def device_evaluator(self, program, x: np.ndarray, y: np.ndarray):
+        """The test split (x, y) evaluated on the GPU (`cuda.evaluate.DeviceEvaluator`: the eval
+        forward captured as one graph per batch, one read per evaluation); eager launches when
+        the capture fails.  Raises NotImplementedError when the eval forward cannot run on the
+        device (the loop then evaluates in NumPy)."""
+        from streamsched.interp.cuda.evaluate import DeviceEvaluator
+
+        try:
+            return DeviceEvaluator(self.ex, program, x, y)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # a capture failure: the same work, launched eagerly
+            try:
+                ev = DeviceEvaluator(self.ex, program, x, y, capture=False)
+            except NotImplementedError:
+                raise
+            except Exception as exc2:
+                raise NotImplementedError(f"the eval forward failed on the device ({exc2})") from None
+            import sys
+
+            print(f"note: the eval forward could not be captured ({type(exc).__name__}: {exc}); it is launched "
+                  "eagerly", file=sys.stderr)
+            return ev
 
     def read(self, name: str) -> np.ndarray:
         return np.array(self._wrap(self.ex.get, name))

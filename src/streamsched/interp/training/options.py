@@ -1,0 +1,138 @@
+"""How a run is asked for (TrainOptions), what it produced (TrainResult), how it is interrupted
+(TrainInterrupted), and the one way the loop's parts make an X diagnostic."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from streamsched.diagnostics import Diagnostic, StreamschedError
+
+
+@dataclass
+class TrainOptions:
+    """Command-line overrides of the `train` block (None keeps the file's value), and how to run.
+
+    resume: continue from a checkpoint (every array must fit the program; other changes are
+    listed in a note); resume_weights: load only the model's parameters from a checkpoint and
+    start training afresh (fine-tuning); threads: BLAS threads (None: cpu_threads' rule);
+    data_limit: bytes the data and checkpoints may hold (None: reads.data_limit()); protect: more
+    files no output may overwrite (the program's includes); argv: the command line after
+    `streamsched`, for the exact resume command printed on an interrupt or divergence; progress:
+    the progress bar (on a terminal) and one line per epoch on stderr; overwrite: `--save` may
+    replace a checkpoint streamsched wrote that this run does not continue (outputs.check_output)."""
+
+    epochs: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    backend: str = "auto"
+    interleave: str = "fixed"
+    interleave_seed: int = 0
+    log: str | None = None
+    save: str | None = None
+    resume: str | None = None
+    resume_weights: str | None = None
+    max_steps: int | None = None
+    progress: bool = True
+    detect_races: bool = True
+    eval_every: int = 1
+    threads: int | None = None
+    data_limit: int | None = None
+    protect: tuple[str, ...] = ()
+    argv: tuple[str, ...] | None = None
+    overwrite: bool = False
+    data_on: str = "auto"
+    """Where the training set lives (`--data-on`): `host` (each step's batch staged into a pinned
+    slot by host tasks), `device` (uploaded once, each batch gathered on the GPU, no host work per
+    step), `auto` (device when the plan allows and it fits cuda.resident.DEVICE_SHARE of the free
+    GPU memory; the CPU backend always stages)."""
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: per-epoch records (the JSON-lines log; epochs numbered from 1), the
+    final parameters (host copies, name -> ndarray) and the backend used."""
+
+    history: list[dict] = field(default_factory=list)
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    backend: str = "cpu"
+    steps: int = 0
+    wall_s: float = 0.0
+    races: list[Diagnostic] = field(default_factory=list)
+    note: str = ""
+    """Why no step ran, when none did (`--steps 0`, a checkpoint that already holds every epoch)."""
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know about a run that worked (the CLI prints each as `note: ...`),
+    e.g. that `--save` wrote no checkpoint because `--steps` stopped inside the first epoch."""
+    run_id: str = ""
+    threads: int = 1
+    epoch_steps: list[tuple[int, float]] = field(default_factory=list)
+    """(steps, seconds) of each epoch's training phase: from its first step's issue to the read
+    of its losses (which waits for the device), evaluation and checkpoints excluded."""
+    epoch_cpu_s: list[float] = field(default_factory=list)
+    """Host CPU seconds (time.process_time: every thread of the process) of each epoch's training
+    phase, the same span as epoch_steps."""
+    eval_s: float = 0.0
+    """Seconds spent evaluating (and reading parameters for it), all epochs together."""
+    data_on: str = "host"
+    """Where the training set was: "device" (held on the GPU, batches gathered there) or "host"."""
+    eval_on: str = ""
+    """Where the test split was evaluated: "device" (one captured graph per batch on the GPU) or
+    "host" (NumPy), "" before any evaluation was set up."""
+    first_step_s: float = 0.0
+    """Seconds from the start of `train` (data loaded, backend set up, graphs captured, kernels
+    compiled) to the first step's issue."""
+
+    @property
+    def steady_us_per_step(self) -> float:
+        """Wall microseconds per training step over every epoch but the first (warm caches,
+        steady state), evaluation excluded; over all epochs when there is only one."""
+        rows = self.epoch_steps[1:] or self.epoch_steps
+        n = sum(k for k, _ in rows)
+        return 1e6 * sum(t for _, t in rows) / n if n else float("nan")
+
+    @property
+    def steady_cpu_us_per_step(self) -> float:
+        """Host CPU microseconds per training step over the epochs steady_us_per_step counts."""
+        rows = list(zip(self.epoch_steps, self.epoch_cpu_s))
+        rows = rows[1:] or rows
+        n = sum(k for (k, _), _ in rows)
+        return 1e6 * sum(c for _, c in rows) / n if n else float("nan")
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.history[-1]["test_acc"] if self.history else float("nan")
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run; the checkpoint and log hold every whole epoch before.
+    signum: the signal; lines: what to tell the user (where it stopped, what the checkpoint
+    holds, the exact command that resumes)."""
+
+    def __init__(self, signum: int, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.signum = signum
+        self.lines = lines
+
+
+def _x(code: str, msg: str, span=None, help: str = "") -> StreamschedError:
+    return StreamschedError([Diagnostic(code, msg, span, help=help)])
+
+
+def _with_help(d: Diagnostic, extra: str) -> Diagnostic:
+    """`d` with `extra` appended to its help."""
+    from dataclasses import replace as _replace
+
+    return _replace(d, help=d.help + extra) if extra else d
+
+
+def _stderr_line(line: str) -> None:
+    """The default `echo`: a line on stderr; a stderr that cannot be written (closed, a reader
+    gone, a full disk) loses the line, never the run."""
+    try:
+        print(line, file=sys.stderr)
+    except (OSError, ValueError, AttributeError):
+        pass
+
