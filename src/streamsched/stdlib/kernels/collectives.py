@@ -1,0 +1,129 @@
+"""Collectives across data-parallel ranks: `allreduce_mean`, one bucket of buffers replaced in
+place by their mean over every rank (gradients after the backward, batch-norm running
+statistics), on the CPU through the simulated rank group of the calling thread, on the GPU
+through the process's NCCL communicator, issued on the task's stream.
+
+A bucket's task reads and writes every buffer it holds, so the checker orders it against the
+backward that writes them and the optimizer that reads them like any other task.  Its arity is
+the bucket's: the front end builds the task itself (dsl/collectives.py), never through a type rule.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from streamsched.stdlib.kernels._base import DocRow, Family
+
+FAMILY = Family(__name__, "Collectives across data-parallel ranks")
+_register = FAMILY.register
+
+COLLECTIVE_KERNELS = frozenset({"allreduce_mean"})
+"""Kernels that every rank must issue in the same order (the checker's R008)."""
+
+
+class RankGroup:
+    """What `allreduce_mean`'s CPU twin needs of the ranks it runs among: `rank`, `size` and
+    `allreduce_mean(key, arrays)`, which blocks until every rank brought the same key and
+    replaces each array by the exact mean (interp/distributed.py's `SimGroup`)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def allreduce_mean(self, key: Any, arrays: list[np.ndarray]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_LOCAL = threading.local()
+
+
+def set_group(group: RankGroup | None) -> None:
+    """Make `group` the rank group of the calling thread (None: a single rank)."""
+    _LOCAL.group = group
+
+
+def current_group() -> RankGroup | None:
+    return getattr(_LOCAL, "group", None)
+
+
+def _allreduce_infer(k, names, t, at):
+    return [t[0]]
+
+
+def _allreduce_cpu(ins, outs, at):
+    group = current_group()
+    if group is None or group.size == 1:
+        for a, o in zip(ins, outs):  # one rank: the mean is the value itself
+            if o is not a:
+                o[...] = a
+        return
+    for a, o in zip(ins, outs):
+        if o is not a:
+            o[...] = a
+    group.allreduce_mean(at.get("bucket", ""), list(outs))
+
+
+_register("allreduce_mean", "x", "x", _allreduce_infer, _allreduce_cpu, {"bucket": ""}, doc="""
+x_i = (1 / R) * sum over ranks r of x_i on rank r, for every buffer x_i of the bucket, in place
+(R ranks).  Variable arity: one input and one output per buffer of the bucket, the same buffers.
+On the CPU the ranks are simulated in one process (exact mean, rank order fixed); on the GPU one
+NCCL group of ncclAllReduce(sum) calls on the task's stream, then a scale by 1/R.
+""", row=DocRow("x -> x", "update", "x = mean of x over the data-parallel ranks, in place, for every buffer of a bucket "
+                "(`allreduce(grad(m))`)"))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA twin, `allreduce_mean_cuda(ctx, stream, ins, outs, attrs)`.  CuPy is imported inside.
+# The communicator is the process's (interp/distributed.py `nccl_communicator`): one GPU per
+# process (CUDA_PITFALLS.md #24).  NCCL >= 2.9 records its kernel into a capturing stream, so
+# the all-reduce becomes a kernel node of the step's graph; the group makes one NCCL launch of
+# the whole bucket.  Nothing here allocates: the scale is an in-place elementwise kernel.
+
+_SCALE: dict[str, Any] = {}
+
+_NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+                "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
+
+
+def _scale_kernel():
+    if "k" not in _SCALE:
+        import cupy as cp
+
+        _SCALE["k"] = cp.ElementwiseKernel("float64 s", "T x", "x = (T)((double)x * s)", "ss_allreduce_scale")
+    return _SCALE["k"]
+
+
+def allreduce_mean_cuda(ctx, stream, ins, outs, attrs):
+    from cupy.cuda import nccl
+
+    from streamsched.interp.distributed import nccl_communicator
+
+    comm, size = nccl_communicator()
+    st = ctx.stream(stream) if ctx is not None else None
+    ptr = st.ptr if st is not None else 0
+    for a, o in zip(ins, outs):
+        if o.data.ptr != a.data.ptr:
+            raise ValueError("allreduce_mean works in place: each output is its input")
+    nccl.groupStart()
+    try:
+        for o in outs:
+            dt = getattr(nccl, _NCCL_DTYPES[str(o.dtype)])
+            comm.allReduce(o.data.ptr, o.data.ptr, o.size, dt, nccl.NCCL_SUM, ptr)
+    finally:
+        nccl.groupEnd()
+    if size > 1:
+        k = _scale_kernel()
+        with st if st is not None else _null():
+            for o in outs:
+                if o.dtype.kind == "f":
+                    k(1.0 / size, o)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
