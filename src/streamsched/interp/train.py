@@ -16,7 +16,7 @@ import stat
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -27,6 +27,7 @@ from streamsched.interp.barriers import plan_segments
 from streamsched.interp.checkpoint import first_nonfinite, save_checkpoint
 from streamsched.interp.cpu_threads import blas_threads, choose_threads
 from streamsched.interp.data import Batches, check_compatible, data_paths, load_dataset
+from streamsched.interp.distributed import dp_main, dp_place, shard
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import F32_MAX, make_schedule
 from streamsched.interp.resume import (Resumed, changes, load_for_resume, load_weights, lr_meta, resume_command,
@@ -78,6 +79,9 @@ class TrainOptions:
     protect: tuple[str, ...] = ()
     argv: tuple[str, ...] | None = None
     overwrite: bool = False
+    devices: int = 1
+    """Data-parallel ranks simulated in one process on the CPU backend (`--devices N`); a launched
+    process's rank and world size come from the launcher's variables (interp/distributed.py)."""
 
 
 @dataclass
@@ -388,6 +392,16 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
         if ok:
             from streamsched.interp.cuda.runner import CudaRunner
 
+            from streamsched.interp.distributed import rank_env_or_x004, use_device
+
+            env = rank_env_or_x004()
+            if env.world > 1:
+                use_device(env)  # one GPU per process: GPU LOCAL_RANK, before any CuPy state
+            if opts.devices > 1:
+                raise _x("X004", f"--devices {opts.devices} on the GPU runs one process per device",
+                         help="run it from the command line, `streamsched run --devices N FILE`, or start the "
+                              "processes with torchrun (docs/cuda.md, \"Data parallel\")")
+
             try:
                 return CudaRunner(compiled)
             except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
@@ -399,6 +413,10 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
     elif want != "cpu":
         raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
     try:
+        if opts.devices > 1:
+            from streamsched.interp.distributed import SimRanksRunner
+
+            return SimRanksRunner(compiled, opts.devices, opts.interleave, opts.interleave_seed, opts.detect_races)
         return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
     except ArenaOutOfMemory as exc:
         raise _out_of_memory(exc, "cpu", compiled) from None
@@ -717,6 +735,8 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                         replaceable=(opts.resume,), overwrite=opts.overwrite,
                         fits=lambda meta: meta.get("layout", layout) == layout) if opts.save is not None else None
     log = _log_output(tv, spans, opts.log, base_dir, inputs)
+    if not dp_main():  # a data-parallel rank other than 0: rank 0 writes the log and the checkpoints
+        save, log, opts = None, None, replace(opts, progress=False)
     check_distinct([save, log])
     run_id = new_run_id()
     holder = holder_info(run_id, ["streamsched", *opts.argv] if opts.argv else None)
@@ -797,7 +817,8 @@ class _Run:
         ds = _fit_samples(ds, in_shape)
         check_compatible(ds, in_shape, lab_dtype, self.classes, self.spans.get("data"))
         self.ds, self.feat = ds, feat
-        self.batches = Batches(ds.x_train, ds.y_train, m.batch, self.seed, span=self.spans.get("data"),
+        self.rank, self.world = dp_place(self.opts)
+        self.batches = Batches(ds.x_train, ds.y_train, m.batch * self.world, self.seed, span=self.spans.get("data"),
                                epoch_samples=ds.epoch_samples)
         self.spe = self.batches.steps_per_epoch
         dt = {n: d for n, _, d in m.inputs}
@@ -967,12 +988,13 @@ class _Run:
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
 
-    def host_fn(self, task: Task, arrays: dict, step: int | None = None) -> None:
+    def host_fn(self, task: Task, arrays: dict, step: int | None = None, rank: int | None = None) -> None:
         """Host work: batches into staging slots, scalars into pinned buffers.  step: the loop
-        step that issued the task (on the CPU it may run after later steps were issued)."""
+        step that issued the task (on the CPU it may run after later steps were issued); rank:
+        the data-parallel rank whose shard is staged (simulated ranks; else this process's)."""
         at = self.cur if step is None else step
         if task.kernel == "stage":
-            xb, yb = self.batch_at(at + task.attr("ahead", 0))
+            xb, yb = shard(*self.batch_at(at + task.attr("ahead", 0)), self.rank if rank is None else rank, self.world)
             np.copyto(arrays[task.outs[0]], xb if task.attr("field") == self.feat else yb, casting="unsafe")
         elif task.kernel == "set_scalar":
             k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
@@ -1062,7 +1084,7 @@ class _Run:
             rec.update(partial=True, epoch_steps=len(losses), steps_per_epoch=spe)
         if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
             rec["loss_scale"] = float(runner.read(program.loss_scale))
-        if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole:
+        if ((e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole) and self.rank == 0:
             t_eval = time.perf_counter()
             tl, acc = evaluate(program, params, self.ds.x_test, self.ds.y_test)
             self.result.eval_s += time.perf_counter() - t_eval
