@@ -69,7 +69,7 @@ _register("allreduce_mean", "x", "x", _allreduce_infer, _allreduce_cpu, {"bucket
 x_i = (1 / R) * sum over ranks r of x_i on rank r, for every buffer x_i of the bucket, in place
 (R ranks).  Variable arity: one input and one output per buffer of the bucket, the same buffers.
 On the CPU the ranks are simulated in one process (exact mean, rank order fixed); on the GPU one
-NCCL group of ncclAllReduce(sum) calls on the task's stream, then a scale by 1/R.
+NCCL group of ncclAllReduce(ncclAvg) calls on the task's stream.
 """, row=DocRow("x -> x", "update", "x = mean of x over the data-parallel ranks, in place, for every buffer of a bucket "
                 "(`allreduce(grad(m))`)"))
 
@@ -79,20 +79,16 @@ NCCL group of ncclAllReduce(sum) calls on the task's stream, then a scale by 1/R
 # The communicator is the process's (interp/distributed.py `nccl_communicator`): one GPU per
 # process (CUDA_PITFALLS.md #24).  NCCL >= 2.9 records its kernel into a capturing stream, so
 # the all-reduce becomes a kernel node of the step's graph; the group makes one NCCL launch of
-# the whole bucket.  Nothing here allocates: the scale is an in-place elementwise kernel.
+# the whole bucket.  ncclAvg (NCCL >= 2.10) is the mean itself: floats are multiplied by 1/R
+# before the sum, and even one rank gets a kernel (NCCL's one-rank path runs its reduce kernel
+# for a pre-multiplied sum, where an in-place ncclSum would be no work at all).  Nothing here
+# allocates.
 
-_SCALE: dict[str, Any] = {}
+NCCL_AVG = 4
+"""ncclRedOp_t's ncclAvg (nccl.h), for a CuPy whose nccl module does not name it."""
 
 _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
                 "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
-
-
-def _scale_kernel():
-    if "k" not in _SCALE:
-        import cupy as cp
-
-        _SCALE["k"] = cp.ElementwiseKernel("float64 s", "T x", "x = (T)((double)x * s)", "ss_allreduce_scale")
-    return _SCALE["k"]
 
 
 def allreduce_mean_cuda(ctx, stream, ins, outs, attrs):
@@ -100,30 +96,15 @@ def allreduce_mean_cuda(ctx, stream, ins, outs, attrs):
 
     from streamsched.interp.distributed import nccl_communicator
 
-    comm, size = nccl_communicator()
-    st = ctx.stream(stream) if ctx is not None else None
-    ptr = st.ptr if st is not None else 0
+    comm, _ = nccl_communicator()
+    ptr = ctx.stream_ptr(stream) if ctx is not None else 0
     for a, o in zip(ins, outs):
         if o.data.ptr != a.data.ptr:
             raise ValueError("allreduce_mean works in place: each output is its input")
+    avg = getattr(nccl, "NCCL_AVG", NCCL_AVG)
     nccl.groupStart()
     try:
         for o in outs:
-            dt = getattr(nccl, _NCCL_DTYPES[str(o.dtype)])
-            comm.allReduce(o.data.ptr, o.data.ptr, o.size, dt, nccl.NCCL_SUM, ptr)
+            comm.allReduce(o.data.ptr, o.data.ptr, o.size, getattr(nccl, _NCCL_DTYPES[str(o.dtype)]), avg, ptr)
     finally:
         nccl.groupEnd()
-    if size > 1:
-        k = _scale_kernel()
-        with st if st is not None else _null():
-            for o in outs:
-                if o.dtype.kind == "f":
-                    k(1.0 / size, o)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
