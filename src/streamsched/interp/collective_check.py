@@ -89,7 +89,7 @@ def check_collectives(schedule: Schedule) -> list[Diagnostic]:
         missing: dict[tuple, list[str]] = {}
         readers: dict[tuple, Task] = {}
         for b, kind in kinds.items():
-            if kind != "grad" or b in reduced:
+            if kind != "grad" or not b.startswith("grad.") or b in reduced:  # parameter gradients
                 continue
             writes = [t.id for t in tasks if b in t.outs]
             if not writes:

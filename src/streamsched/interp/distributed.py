@@ -402,10 +402,11 @@ def rank_env_or_x004() -> RankEnv:
 
 
 def launch(argv: Sequence[str], devices: int, *, master_port: int | None = None, poll_s: float = 0.2,
-           stderr=None) -> int:
+           stderr=None, command: Sequence[str] | None = None) -> int:
     """Run `python -m streamsched run ARGV` once per device, rank r on GPU r, with RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and NCCL_NVLS_ENABLE=0 set; return the exit
-    status (0 when every rank finished cleanly).  When a rank fails, the others get SIGTERM (then
+    status (0 when every rank finished cleanly); command: what each process runs before ARGV
+    (default `python -m streamsched run`).  When a rank fails, the others get SIGTERM (then
     SIGKILL after 10 s) and a line on stderr says which rank failed with which status; rank 0
     alone writes logs and checkpoints, so nothing a stopped rank held is lost."""
     stderr = stderr or sys.stderr
@@ -416,7 +417,8 @@ def launch(argv: Sequence[str], devices: int, *, master_port: int | None = None,
     base.update({"WORLD_SIZE": str(devices), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     for r in range(devices):
         env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "streamsched", "run", *argv], env=env))
+        cmd = list(command) if command is not None else [sys.executable, "-m", "streamsched", "run"]
+        procs.append(subprocess.Popen([*cmd, *argv], env=env))
     failed: tuple[int, int] | None = None
     try:
         while True:

@@ -412,6 +412,11 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
         print(f"note: no GPU ({why}); running on the CPU backend", file=sys.stderr)
     elif want != "cpu":
         raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
+    from streamsched.interp.distributed import rank_env_or_x004
+
+    if rank_env_or_x004().world > 1:
+        raise _x("X004", "a launcher set WORLD_SIZE > 1, but the CPU backend simulates its ranks in one process",
+                 help="on the CPU, run one process with `--devices N`; launched ranks need the GPU (--backend cuda)")
     try:
         if opts.devices > 1:
             from streamsched.interp.distributed import SimRanksRunner
