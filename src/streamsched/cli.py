@@ -243,9 +243,10 @@ def cmd_run(args) -> int:
             raise StreamschedError([Diagnostic("X004", f"--devices must be at least 1, got {devices}",
                                                help="e.g. `--devices 2`")])
         if devices > 1:
+            from streamsched.interp.cuda import cuda_available
             from streamsched.interp.distributed import launch_or_simulate
 
-            code = launch_or_simulate(args.backend, devices, tuple(args.argv))
+            code = launch_or_simulate(args.backend, devices, tuple(args.argv), cuda_available)
             if code is not None:
                 return code
         opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,

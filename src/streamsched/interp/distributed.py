@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -174,7 +174,8 @@ class SimGroup:
 
 
 class SimRanksRunner:
-    """`train.CpuRunner`'s interface over N replicas, each a CpuRunner with its own arrays, run in
+    """`train.CpuRunner`'s interface over N replicas, each a CpuRunner (`make_rank()`: one with its
+    own arrays; losses_of: `train.EpochLosses.of`) run in
     N threads that meet in every `allreduce_mean` (SimGroup).  Every rank runs the same plan under
     the same interleaving (fixed, or random with one seed), so the ranks reach each collective in
     one `run` call together.  host_fn(task, arrays, rank=r) fills rank r's staging buffers from
@@ -186,11 +187,10 @@ class SimRanksRunner:
 
     name = "cpu"
 
-    def __init__(self, compiled, ranks: int, interleave: str, seed: int, detect_races: bool):
-        from streamsched.interp.train import CpuRunner
-
+    def __init__(self, make_rank: Callable[[], Any], ranks: int, losses_of: Callable[[list[float]], Any]):
         self.size = ranks
-        self.ranks = [CpuRunner(compiled, interleave, seed, detect_races) for _ in range(ranks)]
+        self.ranks = [make_rank() for _ in range(ranks)]
+        self._losses_of = losses_of
         self.group = SimGroup(ranks)
         self._pool = ThreadPoolExecutor(ranks, thread_name_prefix="rank")
         self._host = threading.Lock()
@@ -231,11 +231,9 @@ class SimRanksRunner:
         self._all(one)
 
     def epoch_losses(self):
-        from streamsched.interp.train import EpochLosses
-
         per = self._all(lambda r, runner: runner.epoch_losses())
         vals = [float(np.mean([p.values[i] for p in per])) for i in range(len(per[0].values or []))]
-        return EpochLosses.of(vals)
+        return self._losses_of(vals)
 
     def last_loss(self, name: str) -> float:
         return float(np.mean(self._all(lambda r, runner: runner.last_loss(name))))
@@ -298,6 +296,7 @@ def nccl_communicator() -> tuple[Any, int]:
                                "not supported: install CuPy >= 13")
         _COMM["backend"] = backend  # keeps rank 0's store alive
     _COMM["comm"], _COMM["size"] = comm, env.world
+    collectives.set_communicator(comm, env.world)
     return comm, env.world
 
 
@@ -316,6 +315,7 @@ def close_communicator() -> None:
     (CUDA_PITFALLS.md #25: ncclCommDestroy hangs while graphs hold the communicator)."""
     comm = _COMM.pop("comm", None)
     _COMM.pop("size", None)
+    collectives.set_communicator(None, 0)
     _COMM.pop("backend", None)
     if comm is not None:
         try:
@@ -339,7 +339,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_or_simulate(backend: str, devices: int, argv: Sequence[str]) -> int | None:
+def launch_or_simulate(backend: str, devices: int, argv: Sequence[str],
+                       cuda_available: Callable[[], tuple[bool, str]]) -> int | None:
     """`streamsched run --devices N` (N > 1): None when this process runs the ranks itself (the
     CPU backend simulates them; a process a launcher started is one rank already), else the exit
     status of the N processes `launch` started, one per GPU.  X020 when fewer GPUs than N."""
@@ -350,8 +351,6 @@ def launch_or_simulate(backend: str, devices: int, argv: Sequence[str]) -> int |
                                            help="drop --devices: the launcher (torchrun, mpirun) starts the ranks")])
     if backend == "cpu":
         return None
-    from streamsched.interp.cuda import cuda_available
-
     ok, why = cuda_available()
     if not ok:
         if backend == "cuda":

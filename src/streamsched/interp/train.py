@@ -421,7 +421,8 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
         if opts.devices > 1:
             from streamsched.interp.distributed import SimRanksRunner
 
-            return SimRanksRunner(compiled, opts.devices, opts.interleave, opts.interleave_seed, opts.detect_races)
+            return SimRanksRunner(lambda: CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races),
+                                  opts.devices, EpochLosses.of)
         return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
     except ArenaOutOfMemory as exc:
         raise _out_of_memory(exc, "cpu", compiled) from None

@@ -129,6 +129,10 @@ class CudaExecutor:
 
             kernels = KERNELS
         self.kernels = kernels
+        if any(t.kernel == "allreduce_mean" for t in schedule.tasks):
+            from streamsched.interp.distributed import nccl_communicator
+
+            nccl_communicator()  # before warm-up and capture (CUDA_PITFALLS.md #24)
         dev_streams = [s for s in schedule.streams if s != HOST]
         for t in schedule.tasks:
             if t.stream != HOST and t.stream not in dev_streams:

@@ -48,6 +48,17 @@ def current_group() -> RankGroup | None:
     return getattr(_LOCAL, "group", None)
 
 
+_COMM: dict[str, Any] = {}
+
+
+def set_communicator(comm: Any, size: int) -> None:
+    """Make `comm` (a `cupy.cuda.nccl.NcclCommunicator` over `size` ranks) the process's: what the
+    CUDA twin issues on (interp/distributed.py `nccl_communicator` calls this; None forgets it)."""
+    _COMM.clear()
+    if comm is not None:
+        _COMM.update(comm=comm, size=size)
+
+
 def _allreduce_infer(k, names, t, at):
     return [t[0]]
 
@@ -76,7 +87,7 @@ NCCL group of ncclAllReduce(ncclAvg) calls on the task's stream.
 
 # --------------------------------------------------------------------------------------------
 # CUDA twin, `allreduce_mean_cuda(ctx, stream, ins, outs, attrs)`.  CuPy is imported inside.
-# The communicator is the process's (interp/distributed.py `nccl_communicator`): one GPU per
+# The communicator is the process's (`set_communicator`, from interp/distributed.py): one GPU per
 # process (CUDA_PITFALLS.md #24).  NCCL >= 2.9 records its kernel into a capturing stream, so
 # the all-reduce becomes a kernel node of the step's graph; the group makes one NCCL launch of
 # the whole bucket.  ncclAvg (NCCL >= 2.10) is the mean itself: floats are multiplied by 1/R
@@ -94,9 +105,10 @@ _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64":
 def allreduce_mean_cuda(ctx, stream, ins, outs, attrs):
     from cupy.cuda import nccl
 
-    from streamsched.interp.distributed import nccl_communicator
-
-    comm, _ = nccl_communicator()
+    comm = _COMM.get("comm")
+    if comm is None:
+        raise RuntimeError("allreduce_mean: this process has no NCCL communicator (the CUDA executor makes one "
+                           "before warm-up: interp/distributed.py `nccl_communicator`)")
     ptr = ctx.stream_ptr(stream) if ctx is not None else 0
     for a, o in zip(ins, outs):
         if o.data.ptr != a.data.ptr:
