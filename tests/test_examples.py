@@ -69,6 +69,7 @@ FORWARD = {
     "five_streams.sched": _mlp(np.tanh, _relu),
     "inplace_backward.sched": _mlp(_relu, _relu),
     "mlp_digits.sched": _mlp(_relu, _relu),
+    "mlp_digits_dp.sched": _mlp(_relu, _relu),
     "resnet_digits.sched": _resnet,
     "resnet_digits_amp.sched": _resnet,
     "resnet_lars.sched": _resnet,

@@ -17,12 +17,14 @@ CuPy's `cupyx.distributed` (its TCP store is the out-of-band exchange); CUDA_PIT
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -298,6 +300,28 @@ def nccl_communicator() -> tuple[Any, int]:
     _COMM["comm"], _COMM["size"] = comm, env.world
     collectives.set_communicator(comm, env.world)
     return comm, env.world
+
+
+_EXECUTORS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_executor(ex: Any) -> None:
+    """Note a CUDA executor whose graphs hold the communicator: at exit its graphs are destroyed
+    (ex.close()) before the communicator is (CUDA_PITFALLS.md #25: ncclCommDestroy hangs while
+    graphs reference the communicator; garbage collection at exit keeps no order)."""
+    if not _EXECUTORS:
+        atexit.register(_shutdown)
+    _EXECUTORS.add(ex)
+
+
+def _shutdown() -> None:
+    for ex in list(_EXECUTORS):
+        try:
+            ex.close()
+        except Exception:  # noqa: BLE001 - at exit, nothing to save
+            pass
+    _EXECUTORS.clear()
+    close_communicator()
 
 
 def use_device(env: RankEnv) -> None:
