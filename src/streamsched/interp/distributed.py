@@ -254,7 +254,8 @@ class SimRanksRunner:
 
     @property
     def races(self):
-        return [d for runner in self.ranks for d in runner.races][:1] if self.size else []
+        """Rank 0's: every rank runs the same plan under the same interleaving."""
+        return self.ranks[0].races
 
     @property
     def arrays(self):

@@ -921,8 +921,9 @@ class _Run:
                 self.open_bar()
                 opts, runner, threads = self.opts, self.runner, self.result.threads
                 if opts.progress and self.local_total:
+                    ranks = f", {self.world} ranks of batch {self.m.batch}" if self.world > 1 else ""
                     self.say(f"run {self.run_id}: model `{self.m.name}` on {runner.name} ({threads} BLAS thread"
-                             f"{'s' if threads != 1 else ''}), epochs {self.start_epoch + 1}-{self.epochs} of "
+                             f"{'s' if threads != 1 else ''}{ranks}), epochs {self.start_epoch + 1}-{self.epochs} of "
                              f"{self.spe} steps")
                 with blas_threads(threads), _quiet_numpy():
                     self.loop(runner)
