@@ -71,6 +71,7 @@ FORWARD = {
     "mlp_digits.sched": _mlp(_relu, _relu),
     "mlp_digits_dp.sched": _mlp(_relu, _relu),
     "resnet_digits.sched": _resnet,
+    "resnet_digits_dp.sched": _resnet,
     "resnet_digits_amp.sched": _resnet,
     "resnet_lars.sched": _resnet,
     "seed_step.sched": _resnet,

@@ -22,11 +22,15 @@ from collections import defaultdict
 from streamsched.diagnostics import Diagnostic, Label
 from streamsched.interp.ir import EventPlan, Schedule, Task
 from streamsched.interp.validate import lane_of
-from streamsched.stdlib.kernels.collectives import COLLECTIVE_KERNELS
+from streamsched.stdlib.kernels.collectives import COLLECTIVE_KERNELS, is_collective
 
 
 def _is_collective(t: Task) -> bool:
     return t.kernel in COLLECTIVE_KERNELS
+
+
+def _communicates(t: Task) -> bool:
+    return is_collective(t.kernel, t.attrs)
 
 
 def _name(t: Task) -> str:
@@ -119,11 +123,12 @@ def _layer(grad: str) -> str:
 
 
 def check_collective_order(plan: EventPlan) -> list[Diagnostic]:
-    """R008: two collective tasks of `plan` with no happens-before path either way (different
-    lanes: streams, or streams of a capture unit).  One finding per pair of statements."""
+    """R008: two collective tasks of `plan` (all-reduce buckets, synchronized batch norm) with no
+    happens-before path either way (different lanes: streams, or streams of a capture unit).
+    One finding per pair of statements."""
     sched = plan.schedule
     tasks = sched.tasks
-    if not any(_is_collective(t) for t in tasks):
+    if not any(_communicates(t) for t in tasks):
         return []
     capture = sched.capture
     clock: dict[tuple, dict[tuple, int]] = {}
@@ -146,7 +151,7 @@ def check_collective_order(plan: EventPlan) -> list[Diagnostic]:
             if lane[1] >= 0:
                 unit_tasks[lane[1]].append(v)
                 unit_lanes[lane[1]].add(lane)
-            if _is_collective(tasks[v]):
+            if _communicates(tasks[v]):
                 for u in seen:
                     lu, pu = loc[u]
                     if lu == lane or c.get(lu, 0) >= pu:

@@ -299,7 +299,7 @@ def nccl_communicator() -> tuple[Any, int]:
                                "not supported: install CuPy >= 13")
         _COMM["backend"] = backend  # keeps rank 0's store alive
     _COMM["comm"], _COMM["size"] = comm, env.world
-    collectives.set_communicator(comm, env.world)
+    collectives.set_communicator(comm, env.world, env.rank)
     return comm, env.world
 
 

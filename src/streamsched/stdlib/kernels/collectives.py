@@ -10,53 +10,40 @@ the bucket's: the front end builds the task itself (dsl/collectives.py), never t
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
-from streamsched.stdlib.kernels._base import DocRow, Family
+from streamsched.stdlib.kernels._base import (DocRow, Family, RankGroup, current_group, set_group,  # noqa: F401
+                                              set_process_rank)
 
 FAMILY = Family(__name__, "Collectives across data-parallel ranks")
 _register = FAMILY.register
 
 COLLECTIVE_KERNELS = frozenset({"allreduce_mean"})
-"""Kernels that every rank must issue in the same order (the checker's R008)."""
+"""The all-reduce of a bucket (the checker's R006, R007, S031 look at these)."""
+
+SYNC_KERNELS = frozenset({"batchnorm_train", "batchnorm_grad"})
+"""Kernels that are collectives when their `sync` attribute is true (synchronized batch norm)."""
 
 
-class RankGroup:
-    """What `allreduce_mean`'s CPU twin needs of the ranks it runs among: `rank`, `size` and
-    `allreduce_mean(key, arrays)`, which blocks until every rank brought the same key and
-    replaces each array by the exact mean (interp/distributed.py's `SimGroup`)."""
-
-    rank: int = 0
-    size: int = 1
-
-    def allreduce_mean(self, key: Any, arrays: list[np.ndarray]) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-_LOCAL = threading.local()
-
-
-def set_group(group: RankGroup | None) -> None:
-    """Make `group` the rank group of the calling thread (None: a single rank)."""
-    _LOCAL.group = group
-
-
-def current_group() -> RankGroup | None:
-    return getattr(_LOCAL, "group", None)
+def is_collective(kernel: str, attrs) -> bool:
+    """Whether a task of `kernel` with `attrs` ((name, value) pairs) communicates across ranks:
+    every rank must issue it in the same order as every other collective (R008)."""
+    return kernel in COLLECTIVE_KERNELS or (kernel in SYNC_KERNELS and bool(dict(attrs).get("sync", False)))
 
 
 _COMM: dict[str, Any] = {}
 
 
-def set_communicator(comm: Any, size: int) -> None:
-    """Make `comm` (a `cupy.cuda.nccl.NcclCommunicator` over `size` ranks) the process's: what the
-    CUDA twin issues on (interp/distributed.py `nccl_communicator` calls this; None forgets it)."""
+def set_communicator(comm: Any, size: int, rank: int = 0) -> None:
+    """Make `comm` (a `cupy.cuda.nccl.NcclCommunicator` over `size` ranks, this process `rank`)
+    the process's: what the CUDA twins issue on (interp/distributed.py `nccl_communicator`
+    calls this; None forgets it)."""
     _COMM.clear()
     if comm is not None:
         _COMM.update(comm=comm, size=size)
+    set_process_rank(rank if comm is not None else 0, size if comm is not None else 1)
 
 
 def _allreduce_infer(k, names, t, at):
