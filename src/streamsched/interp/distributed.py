@@ -274,6 +274,11 @@ def _is_released(e: BaseException) -> bool:
 _COMM: dict[str, Any] = {}
 
 
+class NcclUnavailable(RuntimeError):
+    """No NCCL communicator for this process (CuPy without NCCL, a failed rendezvous): the
+    training loop reports it as X020."""
+
+
 def nccl_communicator() -> tuple[Any, int]:
     """(communicator, world size) of this process, made on first use from `rank_env()`: a
     `cupy.cuda.nccl.NcclCommunicator` over WORLD_SIZE ranks, one GPU per process (the current
@@ -281,23 +286,30 @@ def nccl_communicator() -> tuple[Any, int]:
     with more, `cupyx.distributed.init_process_group` runs the rendezvous (rank 0's TCP store on
     MASTER_ADDR:MASTER_PORT hands ncclGetUniqueId's id to the others).  Made eagerly, before any
     capture: the executor warms every task up, the all-reduce included, before capturing
-    (CUDA_PITFALLS.md #24)."""
+    (CUDA_PITFALLS.md #24).  Raises NcclUnavailable (no NCCL in CuPy, a failed rendezvous)."""
     if "comm" in _COMM:
         return _COMM["comm"], _COMM["size"]
-    from cupy.cuda import nccl
-
     env = rank_env()
-    if env.world == 1:
-        comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
-    else:
-        import cupyx.distributed as dist
+    try:
+        from cupy.cuda import nccl
 
-        backend = dist.init_process_group(env.world, env.rank, host=env.master_addr, port=env.master_port)
-        comm = getattr(backend, "_comm", None)
-        if comm is None:
-            raise RuntimeError("cupyx.distributed's NCCL backend has no communicator (`_comm`); this CuPy is "
-                               "not supported: install CuPy >= 13")
-        _COMM["backend"] = backend  # keeps rank 0's store alive
+        if not getattr(nccl, "available", True):
+            raise ImportError("CuPy was built without NCCL")
+        if env.world == 1:
+            comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+        else:
+            import cupyx.distributed as dist
+
+            backend = dist.init_process_group(env.world, env.rank, host=env.master_addr, port=env.master_port)
+            comm = getattr(backend, "_comm", None)
+            if comm is None:
+                raise ImportError("cupyx.distributed's NCCL backend has no communicator (`_comm`) in this CuPy")
+            _COMM["backend"] = backend  # keeps rank 0's store alive
+    except ImportError as exc:
+        raise NcclUnavailable(f"NCCL is not usable through CuPy: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - NcclError, a rendezvous that failed: one message
+        raise NcclUnavailable(f"the NCCL communicator could not be made (rank {env.rank} of {env.world}, "
+                              f"rendezvous {env.master_addr}:{env.master_port}): {exc}") from exc
     _COMM["comm"], _COMM["size"] = comm, env.world
     collectives.set_communicator(comm, env.world, env.rank)
     return comm, env.world

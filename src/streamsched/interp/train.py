@@ -402,10 +402,16 @@ def make_runner(compiled: Compiled, opts: TrainOptions):
                          help="run it from the command line, `streamsched run --devices N FILE`, or start the "
                               "processes with torchrun (docs/cuda.md, \"Data parallel\")")
 
+            from streamsched.interp.distributed import NcclUnavailable
+
             try:
                 return CudaRunner(compiled)
             except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
                 raise _out_of_memory(exc, "cuda", compiled) from None
+            except NcclUnavailable as exc:  # the step all-reduces
+                raise _x("X020", f"the step all-reduces, but {exc}",
+                         help="install NCCL for CuPy (e.g. the nvidia-nccl wheel of your CUDA), or run on the CPU "
+                              "backend, where ranks are simulated") from None
         if want == "cuda":
             raise _x("X020", f"--backend cuda: no usable GPU ({why})",
                      help="install streamsched[cuda12] or [cuda13] on a machine with an NVIDIA GPU, or use --backend cpu")
