@@ -413,6 +413,7 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "increment": ([np.array(2.0)], {}),
     "alloc": ([], {"shape": (3,), "dtype": "f64"}),
     "synchronize": ([], {}),
+    "allreduce_mean": ([_f(3, 4)], {"bucket": "grad:x"}),  # one rank: the mean is the value
 }
 
 

@@ -238,6 +238,17 @@ def cmd_run(args) -> int:
             _print_diags(c.diagnostics, sources, "text")
             return 1
         _print_diags([d for d in c.diagnostics if d.severity == "warning"], sources, "text")
+        devices = 1 if args.devices is None else args.devices
+        if devices < 1:
+            raise StreamschedError([Diagnostic("X004", f"--devices must be at least 1, got {devices}",
+                                               help="e.g. `--devices 2`")])
+        if devices > 1:
+            from streamsched.interp.cuda import cuda_available
+            from streamsched.interp.distributed import launch_or_simulate
+
+            code = launch_or_simulate(args.backend, devices, tuple(args.argv), cuda_available)
+            if code is not None:
+                return code
         opts = TrainOptions(epochs=args.epochs, lr=args.lr, seed=args.seed, backend=args.backend,
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
                             save=args.save, resume=args.resume, resume_weights=args.resume_weights,
@@ -245,7 +256,7 @@ def cmd_run(args) -> int:
                             data_on=args.data_on,
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
-                            argv=tuple(args.argv))
+                            argv=tuple(args.argv), devices=devices)
         t_train = time.perf_counter()
         res = train(c, opts, base_dir=os.path.dirname(os.path.abspath(args.file)))
     except TaskFailedError as e:
@@ -406,6 +417,9 @@ def build_parser() -> "argparse.ArgumentParser":
                    help="where the training set lives on the CUDA backend: device (uploaded once, each batch "
                         "gathered on the GPU, no host work per step), host (staged every step), auto (device when "
                         "it fits a quarter of the free GPU memory)")
+    r.add_argument("--devices", type=int, metavar="N",
+                   help="data parallel over N ranks: one process per GPU on this machine (NCCL_NVLS_ENABLE=0 in "
+                        "each), or N ranks simulated in this process on the CPU backend")
     r.add_argument("--log", help="append one JSON line per epoch (only to a log streamsched wrote)")
     r.add_argument("--save", help="checkpoint file (.npz, written atomically each epoch; replaces an existing "
                                   "checkpoint only when this run continues it with --resume, or with --overwrite)")

@@ -15,6 +15,7 @@ from streamsched.diagnostics import Diagnostic, SourceCache, StreamschedError
 from streamsched.dsl.program import Program
 from streamsched.dsl.resolve import resolve
 from streamsched.interp.barriers import Segments, insert_barriers, plan_segments
+from streamsched.interp.collective_check import check_collective_order, check_collectives
 from streamsched.interp.dependencies import dependencies
 from streamsched.interp.ir import Edge, EventPlan, Schedule
 from streamsched.interp.lifetime import check_lifetimes
@@ -76,12 +77,17 @@ def _plan(program: Program, steps: int) -> "Compiled":
     diags += lint_precision(schedule, program.loss_scale)
     diags += lint_updates(schedule, program.model.params if program.model else ())
     diags += lint_launches(program.graphs, program.step, bool(program.step))
+    coll = check_collectives(schedule)
+    early = {d.span for d in coll if d.code == "R006"} | {l.span for d in coll if d.code == "R007" for l in d.labels}
+    diags = [d for d in diags if not (d.code == "S023" and d.span in early)]  # R006 says why
+    diags += coll
     inits = tuple(n for n, _ in program.inits)
     diags += check_lifetimes(schedule, set(inits), after_step=tuple(host_read), at_end=inits, kernels=program.kernels)
     plan = None
     if not any(d.code == "R002" for d in diags):
         plan = insert_barriers(schedule, edges, schedule.policy)
         diags.extend(validate_plan(plan, edges))
+        diags.extend(check_collective_order(plan))
     segments = plan_segments(plan) if plan is not None else None
     return Compiled(program, schedule, tuple(edges), plan, tuple(_dedupe(diags)), segments)
 

@@ -14,6 +14,7 @@ from typing import Any
 from streamsched.diagnostics import Label
 from streamsched.dsl import ast as A
 from streamsched.dsl.backward import SEED
+from streamsched.dsl.collectives import ALLREDUCE, collective_call
 from streamsched.dsl.kernels import kernel_as_op_help
 from streamsched.dsl.lower import Lowerer
 from streamsched.dsl.names import Streams
@@ -341,6 +342,8 @@ class _GraphExpander:
         scope, buffers, sink = self.scope, self.buffers, self.sink
         model_name = self.model_name
         name = st.call.func
+        if name.id == ALLREDUCE and name.id not in scope.ops:
+            return collective_call(self, g, st, out, op_id)
         if name.id not in scope.ops:
             self.fail("S006", f"unknown op `{name.id}`", name.span,
                       help=kernel_as_op_help(scope, name.id) or "ops: " + ", ".join(sorted(scope.ops)))

@@ -131,6 +131,11 @@ class CudaExecutor:
 
             kernels = KERNELS
         self.kernels = kernels
+        if any(t.kernel == "allreduce_mean" for t in schedule.tasks):
+            from streamsched.interp.distributed import nccl_communicator, register_executor
+
+            nccl_communicator()  # before warm-up and capture (CUDA_PITFALLS.md #24)
+            register_executor(self)  # graphs destroyed before the communicator at exit (#25)
         dev_streams = [s for s in schedule.streams if s != HOST]
         for t in schedule.tasks:
             if t.stream != HOST and t.stream not in dev_streams:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from streamsched.interp.data import Batches, check_compatible, load_dataset
+from streamsched.interp.distributed import shard
 from streamsched.interp.ir import Task
 from streamsched.stdlib.kernels import numpy_dtype
 
@@ -48,7 +49,8 @@ class DataPath:
     relative to; spans: the train block's spans (errors point at `data = ...`); limit: bytes the
     data may hold.  Raises StreamschedError X003 for data that does not fit the model."""
 
-    def __init__(self, program, data: tuple, base_dir: str, spans: dict, seed: int, limit: int | None):
+    def __init__(self, program, data: tuple, base_dir: str, spans: dict, seed: int, limit: int | None,
+                 world: int = 1, rank: int = 0):
         m = program.model
         dname, dargs, dkw = data
         feat, lab = _input_names(program)
@@ -60,7 +62,10 @@ class DataPath:
         ds = _fit_samples(ds, in_shape)
         check_compatible(ds, in_shape, lab_dtype, self.classes, spans.get("data"))
         self.ds, self.feat = ds, feat
-        self.batches = Batches(ds.x_train, ds.y_train, m.batch, seed, span=spans.get("data"),
+        # data parallel: a step draws one global batch of world * B samples; rank r trains on its
+        # rows [r B, (r + 1) B) (distributed.shard), the same split on every rank
+        self.world, self.rank = world, rank
+        self.batches = Batches(ds.x_train, ds.y_train, m.batch * world, seed, span=spans.get("data"),
                                epoch_samples=ds.epoch_samples)
         self.spe = self.batches.steps_per_epoch
         dt = {n: d for n, _, d in m.inputs}
@@ -79,11 +84,13 @@ class DataPath:
         self.local_total = max(0, epochs - start_epoch) * self.spe
         self.last_epoch = start_epoch + max(epochs - start_epoch, 1) - 1
 
-    def stage(self, task: Task, out: np.ndarray, at: int) -> None:
+    def stage(self, task: Task, out: np.ndarray, at: int, rank: int | None = None) -> None:
         """The host work of `stage` task `task` issued by step `at` of this run (from 0; its
-        `ahead` attribute says which later step's batch it prefetches): that batch's field,
-        cast into the pinned slot `out`."""
+        `ahead` attribute says which later step's batch it prefetches): that batch's field (rank
+        `rank`'s shard of it; None: this process's rank), cast into the pinned slot `out`."""
         xb, yb = self.batch_at(at + task.attr("ahead", 0))
+        if self.world > 1:
+            xb, yb = shard(xb, yb, self.rank if rank is None else rank, self.world)
         np.copyto(out, xb if task.attr("field") == self.feat else yb, casting="unsafe")
 
     def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
@@ -20,6 +21,7 @@ from streamsched.dsl.resolve import CallValue
 from streamsched.interp.barriers import plan_segments
 from streamsched.interp.checkpoint import first_nonfinite
 from streamsched.interp.cpu_threads import blas_threads, choose_threads
+from streamsched.interp.distributed import dp_main, dp_place
 from streamsched.interp.ir import Task
 from streamsched.interp.lr import make_schedule
 from streamsched.interp.resume import changes, lr_meta, resume_command, schedule_from_meta
@@ -89,6 +91,8 @@ def train(compiled: Compiled, opts: TrainOptions | None = None, *, base_dir: str
                         replaceable=(opts.resume,), overwrite=opts.overwrite,
                         fits=lambda meta: meta.get("layout", layout) == layout) if opts.save is not None else None
     log = _log_output(tv, spans, opts.log, base_dir, inputs)
+    if not dp_main():  # a data-parallel rank other than 0: rank 0 writes the log and the checkpoints
+        save, log, opts = None, None, replace(opts, progress=False)
     check_distinct([save, log])
     run_id = new_run_id()
     holder = holder_info(run_id, ["streamsched", *opts.argv] if opts.argv else None)
@@ -236,8 +240,9 @@ class Run:
                 self.progress.open(self.local_total)
                 opts, runner, threads = self.opts, self.runner, self.result.threads
                 if opts.progress and self.local_total:
+                    ranks = f", {self.world} ranks of batch {self.m.batch}" if self.world > 1 else ""
                     self.say(f"run {self.run_id}: model `{self.m.name}` on {runner.name} ({threads} BLAS thread"
-                             f"{'s' if threads != 1 else ''}), epochs {self.start_epoch + 1}-{self.epochs} of "
+                             f"{'s' if threads != 1 else ''}{ranks}), epochs {self.start_epoch + 1}-{self.epochs} of "
                              f"{self.spe} steps")
                 with blas_threads(threads), _quiet_numpy():
                     self.loop(runner)
@@ -261,7 +266,9 @@ class Run:
         opts = self.opts
         self.t_start = time.perf_counter()
         self.ck.load()
-        dp = self.dp = DataPath(self.program, self.data, self.data_base, self.spans, self.seed, opts.data_limit)
+        self.rank, self.world = dp_place(opts)
+        dp = self.dp = DataPath(self.program, self.data, self.data_base, self.spans, self.seed, opts.data_limit,
+                                world=self.world, rank=self.rank)
         self.ds, self.spe, self.classes = dp.ds, dp.spe, dp.classes
         self.start_epoch = self.ck.resumed.epochs_done if self.ck.resumed else 0
         self.base_step = self.ck.resumed.step if self.ck.resumed else 0  # absolute steps before this run
@@ -333,12 +340,13 @@ class Run:
         if self.resident is not None and e < self.epochs - self.start_epoch:
             self.resident.set_epoch(e, self.dp.batches.order(self.start_epoch + e))
 
-    def host_fn(self, task: Task, arrays: dict, step: int | None = None) -> None:
+    def host_fn(self, task: Task, arrays: dict, step: int | None = None, rank: int | None = None) -> None:
         """Host work: batches into staging slots, scalars into pinned buffers.  step: the loop
-        step that issued the task (on the CPU it may run after later steps were issued)."""
+        step that issued the task (on the CPU it may run after later steps were issued); rank:
+        the data-parallel rank whose shard is staged (simulated ranks; else this process's)."""
         at = self.cur if step is None else step
         if task.kernel == "stage":
-            self.dp.stage(task, arrays[task.outs[0]], at)
+            self.dp.stage(task, arrays[task.outs[0]], at, rank)
         elif task.kernel == "set_scalar":
             k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
             arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
@@ -391,7 +399,7 @@ class Run:
             rec.update(partial=True, epoch_steps=len(losses), steps_per_epoch=spe)
         if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
             rec["loss_scale"] = float(runner.read(program.loss_scale))
-        if (e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole:
+        if ((e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole) and self.rank == 0:
             t_eval = time.perf_counter()
             tl, acc = self.evaluator(runner, params)
             self.result.eval_s += time.perf_counter() - t_eval

@@ -43,6 +43,9 @@ class TrainOptions:
     protect: tuple[str, ...] = ()
     argv: tuple[str, ...] | None = None
     overwrite: bool = False
+    devices: int = 1
+    """Data-parallel ranks simulated in one process on the CPU backend (`--devices N`); a launched
+    process's rank and world size come from the launcher's variables (interp/distributed.py)."""
     data_on: str = "auto"
     """Where the training set lives (`--data-on`): `host` (each step's batch staged into a pinned
     slot by host tasks), `device` (uploaded once, each batch gathered on the GPU, no host work per

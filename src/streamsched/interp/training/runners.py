@@ -158,12 +158,27 @@ def make_runner(compiled: Compiled, opts: TrainOptions, data=None, steps: int = 
             ok, why = False, f"the CUDA backend cannot load: {exc}"
         if ok:
             from streamsched.interp.cuda.runner import CudaRunner
+            from streamsched.interp.distributed import NcclUnavailable, rank_env_or_x004, use_device
 
+            env = rank_env_or_x004()
+            if env.world > 1:
+                use_device(env)  # one GPU per process: GPU LOCAL_RANK, before any CuPy state
+            if opts.devices > 1:
+                raise _x("X004", f"--devices {opts.devices} on the GPU runs one process per device",
+                         help="run it from the command line, `streamsched run --devices N FILE`, or start the "
+                              "processes with torchrun (docs/cuda.md, \"Data parallel\")")
             try:
-                resident = _resident(compiled, opts.data_on, data, steps, notes) if data is not None else None
+                # data parallel: each rank stages its shard from the host (a device gather would
+                # fetch the global batch)
+                resident = (_resident(compiled, opts.data_on, data, steps, notes)
+                            if data is not None and env.world == 1 else None)
                 return CudaRunner(compiled) if resident is None else CudaRunner(compiled, resident=resident)
             except ArenaOutOfMemory as exc:  # CuPy's OutOfMemoryError, or pinned memory
                 raise _out_of_memory(exc, "cuda", compiled) from None
+            except NcclUnavailable as exc:  # the step all-reduces
+                raise _x("X020", f"the step all-reduces, but {exc}",
+                         help="install NCCL for CuPy (e.g. the nvidia-nccl wheel of your CUDA), or run on the CPU "
+                              "backend, where ranks are simulated") from None
         if want == "cuda":
             raise _x("X020", f"--backend cuda: no usable GPU ({why})",
                      help="install streamsched[cuda12] or [cuda13] on a machine with an NVIDIA GPU, or use --backend cpu")
@@ -172,7 +187,17 @@ def make_runner(compiled: Compiled, opts: TrainOptions, data=None, steps: int = 
         raise _x("X004", f"unknown backend `{want}`", help="backends: auto, cpu, cuda")
     if opts.data_on == "device" and notes is not None:
         notes.append("--data-on device: the CPU backend stages every batch from the host")
+    from streamsched.interp.distributed import rank_env_or_x004
+
+    if rank_env_or_x004().world > 1:
+        raise _x("X004", "a launcher set WORLD_SIZE > 1, but the CPU backend simulates its ranks in one process",
+                 help="on the CPU, run one process with `--devices N`; launched ranks need the GPU (--backend cuda)")
     try:
+        if opts.devices > 1:
+            from streamsched.interp.distributed import SimRanksRunner
+
+            return SimRanksRunner(lambda: CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races),
+                                  opts.devices, EpochLosses.of)
         return CpuRunner(compiled, opts.interleave, opts.interleave_seed, opts.detect_races)
     except ArenaOutOfMemory as exc:
         raise _out_of_memory(exc, "cpu", compiled) from None

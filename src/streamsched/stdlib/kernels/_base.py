@@ -18,6 +18,7 @@ can point at the user's argument.  Messages use the kernel's own parameter names
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -254,6 +255,50 @@ def _from_input(grad_kernel: str) -> Callable:
 
 # --------------------------------------------------------------------------------------------
 # Registration: wraps each rule with the arity check and attribute defaults.
+
+
+# --------------------------------------------------------------------------------------------
+# The data-parallel place of the calling code, for the kernels that depend on it (the all-reduce,
+# synchronized batch norm, dropout's per-rank mask): on the CPU, the simulated rank group of the
+# calling thread (interp/distributed.py `SimRanksRunner`); on the GPU, the process's rank.
+
+
+class RankGroup:
+    """What a kernel's CPU twin needs of the ranks it runs among: `rank`, `size` and
+    `allreduce_mean(key, arrays)`, which blocks until every rank brought the same key and
+    replaces each array by the exact mean (interp/distributed.py's `SimGroup`)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def allreduce_mean(self, key: Any, arrays: list) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_DP_LOCAL = threading.local()
+_DP_PROCESS: dict[str, int] = {"rank": 0, "size": 1}
+
+
+def set_group(group: "RankGroup | None") -> None:
+    """Make `group` the rank group of the calling thread (None: the process's place)."""
+    _DP_LOCAL.group = group
+
+
+def current_group() -> "RankGroup | None":
+    return getattr(_DP_LOCAL, "group", None)
+
+
+def set_process_rank(rank: int, size: int) -> None:
+    """This process's data-parallel rank among `size` (one GPU per process)."""
+    _DP_PROCESS.update(rank=int(rank), size=int(size))
+
+
+def dp_rank() -> tuple[int, int]:
+    """(rank, ranks) of the calling code: its thread's simulated group, else the process's."""
+    g = current_group()
+    if g is not None:
+        return g.rank, g.size
+    return _DP_PROCESS["rank"], _DP_PROCESS["size"]
 
 
 class Family:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from streamsched.stdlib.kernel_record import KCall
-from streamsched.stdlib.kernels._base import (DocRow, Family, GradArgs, _acc, _acc_dtype, _attr_error, _dtype,
+from streamsched.stdlib.kernels._base import (DocRow, Family, dp_rank, GradArgs, _acc, _acc_dtype, _attr_error, _dtype,
                                               _floats, _int, _ints, _number, _same_shape, _scalar, _write)
 from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid
 
@@ -95,7 +95,11 @@ def _dropout_infer(k, names, t, at):
 
 def _dropout_cpu(ins, outs, at):
     x, offset = ins
-    bits = dropout_bits(x.size, *_ints(at, "seed"), _offset_value("dropout", offset))
+    rank, ranks = dp_rank()
+    # Data parallel: rank r's shard is rows [r * n, (r + 1) * n) of the global batch, so it draws
+    # the bits of those elements of the global batch's mask (one rank at N * n draws the same mask).
+    start = rank * x.size if ranks > 1 else 0
+    bits = dropout_bits(start + x.size, *_ints(at, "seed"), _offset_value("dropout", offset))[start:]
     keep = (bits >= np.uint32(dropout_threshold(at["p"]))).reshape(x.shape)
     y = np.where(keep, _acc(x) * _keep_scale(x, at["p"]), 0)
     _write(outs[1], keep)
@@ -193,12 +197,12 @@ __device__ __forceinline__ void ss_philox(unsigned int* c, unsigned int k0, unsi
 
 extern "C" __global__ void ss_dropout(const X_t* x, const O_t* offset, X_t* y, M_t* mask,
                                       long long size, unsigned int k0, unsigned int k1,
-                                      unsigned long long thr, double scale) {
+                                      unsigned long long thr, double scale, unsigned long long bbase) {
     unsigned long long off = ss_u64(offset[0]);
     A_t sc = (A_t)scale;
     long long nb = (size + 3) >> 2;
     SS_LOOP(blk, nb) {
-        unsigned long long ub = (unsigned long long)blk;
+        unsigned long long ub = (unsigned long long)blk + bbase;  // bbase: a rank's first block
         unsigned int c[4];
         c[0] = (unsigned int)(ub & 0xffffffffull);
         c[1] = (unsigned int)(ub >> 32);
@@ -245,11 +249,17 @@ def dropout_cuda(ctx, stream, ins, outs, attrs):
     thr = int(math.floor(p * 4294967296.0))  # dropout_threshold
     if x.size == 0:
         return
+    rank, ranks = dp_rank()
+    start = rank * x.size if ranks > 1 else 0  # the rank's elements of the global batch's mask
+    if start % 4:
+        raise NotImplementedError(f"dropout: a rank's shard of {x.size} elements does not start on a Philox "
+                                  "block (a multiple of 4 elements) on the GPU")
     f = _cnn_fn("drop", "ss_dropout", X_t=x.dtype, O_t=offset.dtype, M_t=mask.dtype,
                 A_t=_acc_of(x.dtype))
     _go(ctx, stream, f, _grid((x.size + 3) // 4),
         (x, offset, y, mask, np.int64(x.size), np.uint32(seed & 0xFFFFFFFF),
-         np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint64(thr), np.float64(1.0 / (1.0 - p))))
+         np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint64(thr), np.float64(1.0 / (1.0 - p)),
+         np.uint64(start // 4)))
 
 
 def dropout_grad_cuda(ctx, stream, ins, outs, attrs):

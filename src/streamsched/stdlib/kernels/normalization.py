@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from streamsched.stdlib.kernel_record import KernelTypeError
-from streamsched.stdlib.kernels._base import (DocRow, Family, _acc, _bn_acc, _channels_last, _floats, _fmt, _int,
+from streamsched.stdlib.kernels._base import (DocRow, Family, current_group, _acc, _bn_acc, _channels_last, _floats, _fmt, _int,
                                               _ints, _number, _same_shape, _write)
 from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid
 
@@ -54,12 +54,26 @@ def _bn_axes(x: np.ndarray) -> tuple[int, ...]:
     return tuple(range(x.ndim - 1))
 
 
+def _synced(at) -> object | None:
+    """The rank group a `sync = true` batch norm averages its statistics over (None: one rank)."""
+    g = current_group() if at.get("sync") else None
+    return g if g is not None and g.size > 1 else None
+
+
 def _bn_train_cpu(ins, outs, at):
     x, gamma, beta = ins
     xa = _bn_acc(x, gamma)
+    group = _synced(at)
     mean = xa.mean(axis=_bn_axes(x))
+    if group is not None:  # the global batch's mean, then its variance about it: two-pass, as one rank
+        mean = np.array(mean)
+        group.allreduce_mean(("bn.mean", x.shape), [mean])
     xc = xa - mean
-    invstd = 1.0 / np.sqrt((xc * xc).mean(axis=_bn_axes(x)) + at["eps"])
+    var = (xc * xc).mean(axis=_bn_axes(x))
+    if group is not None:
+        var = np.array(var)
+        group.allreduce_mean(("bn.var", x.shape), [var])
+    invstd = 1.0 / np.sqrt(var + at["eps"])
     y = xc * invstd * gamma + beta
     _write(outs[1], mean)
     _write(outs[2], invstd)
@@ -67,7 +81,7 @@ def _bn_train_cpu(ins, outs, at):
 
 
 _register("batchnorm_train", "x gamma beta", "y mean invstd", _bn_train_infer, _bn_train_cpu,
-          {"eps": 1e-5}, doc="""
+          {"eps": 1e-5, "sync": False}, doc="""
 Training-mode batch norm over every axis but the channel (last) one: N, H, W for x [n, h, w, c],
 N for x [n, c].  With m = n*h*w values per channel:  mean = sum(x) / m;
 var = sum((x - mean)^2) / m (biased, two-pass; PyTorch normalizes with the biased variance);
@@ -75,6 +89,9 @@ invstd = 1 / sqrt(var + eps);  y = (x - mean) * invstd * gamma + beta.
 x: float, gamma, beta: [c] of one float dtype that may differ from x's (f16 activations with
 f32 parameters) -> y: x's type, mean, invstd: [c] in gamma's dtype (kept for batchnorm_grad and
 batchnorm_stats_update).  Computed in the wider of the two dtypes, at least f32.  m must be >= 2.
+sync = true (synchronized batch norm, data parallel): mean and var are those of the global batch,
+each the mean over the ranks of the ranks' own (equal shards), so N ranks normalize as one rank
+at N times the batch; a collective (every rank issues it in one order).  CPU only for now.
 """, inplace=False,
           row=DocRow("x [..., c], gamma [c], beta [c] -> y, mean [c], invstd [c]", "comp2",
                      "batch stats over all axes but the last; biased var; invstd = 1/sqrt(var + eps); y = (x - "
@@ -99,20 +116,27 @@ def _bn_grad_cpu(ins, outs, at):
     dbeta = dya.sum(axis=axes)
     dgamma = (dya * xhat).sum(axis=axes)
     m = xa.size // xa.shape[-1]
-    dx = (dya - dbeta / m - xhat * (dgamma / m)) * (invstd * gamma)
+    m1, m2 = dbeta / m, dgamma / m
+    group = _synced(at)
+    if group is not None:  # the global batch's means of dy and dy * xhat (dgamma, dbeta stay local)
+        m1, m2 = np.array(m1), np.array(m2)
+        group.allreduce_mean(("bn.grad", x.shape), [m1, m2])
+    dx = (dya - m1 - xhat * m2) * (invstd * gamma)
     _write(outs[1], dgamma)
     _write(outs[2], dbeta)
     _write(outs[0], dx)
 
 
 _register("batchnorm_grad", "dy x gamma mean invstd", "dx dgamma dbeta", _bn_grad_infer,
-          _bn_grad_cpu, doc="""
+          _bn_grad_cpu, {"sync": False}, doc="""
 The gradient of batchnorm_train (batch statistics, so dx includes the paths through mean and
 var), from its forward input x and its saved mean, invstd:  xhat = (x - mean) * invstd;
 dbeta = sum(dy);  dgamma = sum(dy * xhat)  (sums over every axis but the last);
 dx = gamma * invstd * (dy - dbeta / m - xhat * dgamma / m),  m = values per channel
 (PyTorch's batch_norm_backward).  dy, x: one shape and float dtype; gamma, mean, invstd: [c] of
-one float dtype -> dx: x's type, dgamma, dbeta: [c] in gamma's dtype.
+one float dtype -> dx: x's type, dgamma, dbeta: [c] in gamma's dtype.  sync = true: dbeta / m and
+dgamma / m in dx are the global batch's (means over the ranks); dgamma, dbeta stay this rank's
+(the gradient all-reduce averages them).  CPU only for now.
 """, inplace=False,
           row=DocRow("dy, x, gamma, mean, invstd -> dx, dgamma, dbeta", "comp2",
                      "xhat = (x - mean) invstd; dbeta = Σdy; dgamma = Σdy·xhat; dx = gamma invstd (dy - dbeta/m "
@@ -285,8 +309,18 @@ extern "C" __global__ void ss_bn_infer(const X_t* x, const P_t* gamma, const P_t
 """
 
 
+def _no_sync_on_gpu(k, attrs):
+    from streamsched.stdlib.kernels._base import dp_rank
+
+    if attrs.get("sync") and dp_rank()[1] > 1:
+        raise NotImplementedError(f"{k}: batchnorm(..., sync = true) across GPUs is not written yet (the CPU "
+                                  "backend simulates it); use sync = false")
+
+
 def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
     import numpy as np
+
+    _no_sync_on_gpu("batchnorm_train", attrs)
 
     x, gamma, beta = ins
     y, mean, invstd = outs
@@ -299,6 +333,8 @@ def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
 
 def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
     import numpy as np
+
+    _no_sync_on_gpu("batchnorm_grad", attrs)
 
     dy, x, gamma, mean, invstd = ins
     dx, dgamma, dbeta = outs
