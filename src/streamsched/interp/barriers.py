@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from streamsched.diagnostics import InternalError
-from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task
+from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task, evolve
 
 Lane = tuple[str, int]
 
@@ -556,17 +556,17 @@ def _replayed(plan: EventPlan, m: int, copies: int) -> tuple[EventPlan, dict[int
         for t in block:
             after = tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None)
             unit = nu + (rep - 1) * len(bunits) + uindex[t.unit] if t.unit >= 0 else -1
-            tasks.append(replace(t, id=copy_id(t.id, rep), step=t.step + rep * m, unit=unit, after=after))
+            tasks.append(evolve(t, id=copy_id(t.id, rep), step=t.step + rep * m, unit=unit, after=after))
             origin[copy_id(t.id, rep)] = (t.id, rep)
         for u in bunits:
             new_units.append(replace(units[u], id=nu + (rep - 1) * len(bunits) + uindex[u], step=units[u].step + rep * m))
     instrs = list(plan.instrs)
+    tail = [ins for ins in plan.instrs if ins.step >= steps - m]
     for rep in range(1, copies + 1):
-        for ins in plan.instrs:
-            if ins.step >= steps - m:
-                instrs.append(replace(
-                    ins, task=copy_id(ins.task, rep) if ins.task >= 0 else -1, step=ins.step + rep * m,
-                    unit=nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1))
+        for ins in tail:
+            instrs.append(Instr(ins.op, ins.stream, copy_id(ins.task, rep) if ins.task >= 0 else -1, ins.event,
+                                nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1,
+                                ins.step + rep * m))
     ext = replace(s, tasks=tuple(tasks), units=tuple(new_units), steps=steps + copies * m)
     return EventPlan(ext, tuple(instrs), plan.num_events, plan.policy), origin
 

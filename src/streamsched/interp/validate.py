@@ -131,9 +131,10 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     pos: dict[Lane, int] = defaultdict(int)
     records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
     loc: dict[int, tuple[Lane, int]] = {}  # task -> the (lane, position) that covers it now
-    # Accesses per segment and lane: (positions, entries), all accesses and writes only.
-    seg_all: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
-    seg_w: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
+    # Accesses per segment and lane, in lane order: (positions, task ids), all accesses and
+    # writes only.  A task's names and access kinds are read back from `acc` only for a race.
+    seg_all: dict[int, dict[Lane, tuple[list[int], list[int]]]] = {}
+    seg_w: dict[int, dict[Lane, tuple[list[int], list[int]]]] = {}
     unit_touched: dict[int, set[tuple[int, Lane]]] = defaultdict(set)
     unit_last: dict[int, dict[Lane, tuple[int, int]]] = defaultdict(dict)
     unit_tasks: dict[int, list[int]] = defaultdict(list)
@@ -142,43 +143,62 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     waits: list[WaitProblem] = []
     unjoined: list[Unjoined] = []
 
+    def access_of(u: int, seg: int) -> tuple[bool, str]:
+        for s_, rn, wn in acc[u]:
+            if s_ == seg:
+                return bool(wn), wn or rn
+        raise InternalError(f"analyse_plan: task {u} has no access to segment {seg}")
+
+    n_tasks = len(tasks)
     for i, ins in enumerate(plan.instrs):
         if ins.op == "launch":
             v = ins.task
-            if not 0 <= v < len(tasks) or v in loc:
+            if not 0 <= v < n_tasks or v in loc:
                 raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
             lane = lane_of(capture, ins.stream, ins.unit)
-            c = clock.setdefault(lane, {})
-            pos[lane] += 1
-            p = c[lane] = pos[lane]
+            c = clock.get(lane)
+            if c is None:
+                c = clock[lane] = {}
+            p = pos[lane] = pos[lane] + 1
+            c[lane] = p
             for u in tasks[v].after:
                 lu, pu = loc.get(u, (None, 0))
                 if lu is None or (lu != lane and c.get(lu, 0) < pu):
                     unordered_after.append((u, v))
             loc[v] = (lane, p)
             raced = False
+            check = v >= races_from
+            in_unit = lane[1] >= 0
             for seg, rname, wname in acc[v]:
                 vw = bool(wname)
-                vname = wname or rname
-                table = seg_all[seg] if vw else seg_w[seg]
-                for other, (ps, es) in table.items() if v >= races_from else ():
-                    if other == lane:
-                        continue  # program order
-                    for u, uw, uname in es[bisect_right(ps, c.get(other, 0)):]:
-                        if (u, v) not in races:
-                            races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
-                            raced = True
-                entry = (v, vw, vname)
-                ps, es = seg_all[seg].setdefault(lane, ([], []))
-                ps.append(p)
-                es.append(entry)
-                if vw:
-                    ps, es = seg_w[seg].setdefault(lane, ([], []))
-                    ps.append(p)
-                    es.append(entry)
-                if lane[1] >= 0:
+                table = (seg_all if vw else seg_w).get(seg) if check else None
+                if table:
+                    for other, (ps, es) in table.items():
+                        if other == lane:
+                            continue  # program order
+                        seen = c.get(other, 0)
+                        if ps[-1] <= seen:
+                            continue  # the lane's accesses are in its order: all covered
+                        vname = wname or rname
+                        for u in es[bisect_right(ps, seen):]:
+                            if (u, v) not in races:
+                                uw, uname = access_of(u, seg)
+                                races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                                raced = True
+                for tables in ((seg_all, seg_w) if vw else (seg_all,)):
+                    by_lane = tables.get(seg)
+                    if by_lane is None:
+                        tables[seg] = {lane: ([p], [v])}
+                    else:
+                        pe = by_lane.get(lane)
+                        if pe is None:
+                            by_lane[lane] = ([p], [v])
+                        else:
+                            pe[0].append(p)
+                            pe[1].append(v)
+                if in_unit:
                     unit_touched[lane[1]].add((seg, lane))
-            if lane[1] >= 0:
+            if in_unit:
                 unit_last[lane[1]][lane] = (p, v)
                 unit_tasks[lane[1]].append(v)
             if first_race and races:
@@ -219,8 +239,9 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             e_pos = clock.setdefault(eager, {})[eager] = pos[eager]
             # After `end`, the unit's work is known outside only as a whole, through the end.
             for seg, lane in sorted(unit_touched.pop(u_id, ())):
-                for table in (seg_all[seg], seg_w[seg]):
-                    moved = table.pop(lane, None)
+                for tables in (seg_all, seg_w):
+                    table = tables.get(seg)
+                    moved = table.pop(lane, None) if table is not None else None
                     if moved:
                         ps, es = table.setdefault(eager, ([], []))
                         ps.extend([e_pos] * len(moved[1]))
