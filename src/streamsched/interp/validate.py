@@ -102,7 +102,7 @@ class PlanAnalysis:
 
 
 def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False, *,
-                 stop_from: int | None = None, accesses=None, roots=None) -> PlanAnalysis:
+                 stop_from: int | None = None, accesses=None, roots=None, afters=None) -> PlanAnalysis:
     """Walk `plan.instrs` once with vector clocks (module docstring) and return every race, every
     wait that binds to no usable record and every unjoined capture unit.
 
@@ -111,7 +111,9 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     stop_from: stop at the first race whose later task has an id >= stop_from (what comes before
     that task's launch is then complete: the replay check of barriers.py shares one walk with
     validate_plan that way); accesses / roots: `task_accesses` / `alias_roots` of the schedule,
-    when the caller has them (a replayed schedule's are its original's, repeated).
+    when the caller has them (a replayed schedule's are its original's, repeated); afters: per
+    task id, its `after` (default: the schedule's tasks'), which also sets the number of tasks:
+    barriers.py's replays give their copies ids past the schedule's own and no task records.
 
     Raises InternalError (a broken plan, never a user mistake) when a task is not launched
     exactly once."""
@@ -130,7 +132,6 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     clock: dict[Lane, dict[Lane, int]] = {}
     pos: dict[Lane, int] = defaultdict(int)
     records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
-    loc: dict[int, tuple[Lane, int]] = {}  # task -> the (lane, position) that covers it now
     # Accesses per segment and lane, in lane order: (positions, task ids), all accesses and
     # writes only.  A task's names and access kinds are read back from `acc` only for a race.
     seg_all: dict[int, dict[Lane, tuple[list[int], list[int]]]] = {}
@@ -149,11 +150,17 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 return bool(wn), wn or rn
         raise InternalError(f"analyse_plan: task {u} has no access to segment {seg}")
 
-    n_tasks = len(tasks)
+    if afters is None:
+        afters = [t.after for t in tasks]
+    n_tasks = len(afters)
+    # task -> the lane and position that cover it now (lists by id: a dict of pairs costs ten
+    # times the memory on large plans); lane None: not launched yet
+    loc_lane: list[Lane | None] = [None] * n_tasks
+    loc_pos: list[int] = [0] * n_tasks
     for i, ins in enumerate(plan.instrs):
         if ins.op == "launch":
             v = ins.task
-            if not 0 <= v < n_tasks or v in loc:
+            if not 0 <= v < n_tasks or loc_lane[v] is not None:
                 raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
             lane = lane_of(capture, ins.stream, ins.unit)
             c = clock.get(lane)
@@ -161,11 +168,12 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 c = clock[lane] = {}
             p = pos[lane] = pos[lane] + 1
             c[lane] = p
-            for u in tasks[v].after:
-                lu, pu = loc.get(u, (None, 0))
+            for u in afters[v]:
+                lu, pu = (loc_lane[u], loc_pos[u]) if 0 <= u < n_tasks else (None, 0)
                 if lu is None or (lu != lane and c.get(lu, 0) < pu):
                     unordered_after.append((u, v))
-            loc[v] = (lane, p)
+            loc_lane[v] = lane
+            loc_pos[v] = p
             raced = False
             check = v >= races_from
             in_unit = lane[1] >= 0
@@ -247,11 +255,12 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                         ps.extend([e_pos] * len(moved[1]))
                         es.extend(moved[1])
             for t in unit_tasks.pop(u_id, ()):
-                loc[t] = (eager, e_pos)
+                loc_lane[t] = eager
+                loc_pos[t] = e_pos
             for lane in unit_last.pop(u_id, {}):
                 clock.pop(lane, None)
             clock.pop(home, None)
-    missing = [t.id for t in tasks if t.id not in loc]
+    missing = [t for t in range(n_tasks) if loc_lane[t] is None]
     if missing and not stopped:
         raise InternalError(f"insert_barriers: tasks {missing[:5]} are never launched")
     return PlanAnalysis(
