@@ -132,11 +132,11 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     clock: dict[Lane, dict[Lane, int]] = {}
     pos: dict[Lane, int] = defaultdict(int)
     records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
-    # Accesses per segment and lane, in lane order: (positions, task ids), all accesses and
-    # writes only.  A task's names and access kinds are read back from `acc` only for a race.
-    seg_all: dict[int, dict[Lane, tuple[list[int], list[int]]]] = {}
-    seg_w: dict[int, dict[Lane, tuple[list[int], list[int]]]] = {}
-    unit_touched: dict[int, set[tuple[int, Lane]]] = defaultdict(set)
+    # Accesses per segment and lane, in lane order: [positions, task ids] of all accesses, then
+    # of the writes only (a write races with any access, a read with writes).  A task's names
+    # and access kinds are read back from `acc` only for a race.
+    segs: dict[int, dict[Lane, tuple[list[int], list[int], list[int], list[int]]]] = {}
+    unit_touched: dict[int, list[tuple[int, Lane]]] = defaultdict(list)  # (segment, lane) entries made
     unit_last: dict[int, dict[Lane, tuple[int, int]]] = defaultdict(dict)
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
@@ -177,35 +177,40 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             raced = False
             check = v >= races_from
             in_unit = lane[1] >= 0
+            touched = unit_touched[lane[1]] if in_unit else None
             for seg, rname, wname in acc[v]:
-                vw = bool(wname)
-                table = (seg_all if vw else seg_w).get(seg) if check else None
-                if table:
-                    for other, (ps, es) in table.items():
-                        if other == lane:
-                            continue  # program order
+                by_lane = segs.get(seg)
+                if by_lane is None:
+                    segs[seg] = {lane: ([p], [v], [p], [v]) if wname else ([p], [v], [], [])}
+                    if in_unit:
+                        touched.append((seg, lane))
+                    continue
+                if check:
+                    k = 0 if wname else 2
+                    for other, e in by_lane.items():
+                        ps = e[k]
+                        if not ps or other == lane:
+                            continue  # nothing it conflicts with, or program order
                         seen = c.get(other, 0)
                         if ps[-1] <= seen:
                             continue  # the lane's accesses are in its order: all covered
-                        vname = wname or rname
-                        for u in es[bisect_right(ps, seen):]:
+                        vw, vname = bool(wname), wname or rname
+                        for u in e[k + 1][bisect_right(ps, seen):]:
                             if (u, v) not in races:
                                 uw, uname = access_of(u, seg)
                                 races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
                                 raced = True
-                for tables in ((seg_all, seg_w) if vw else (seg_all,)):
-                    by_lane = tables.get(seg)
-                    if by_lane is None:
-                        tables[seg] = {lane: ([p], [v])}
-                    else:
-                        pe = by_lane.get(lane)
-                        if pe is None:
-                            by_lane[lane] = ([p], [v])
-                        else:
-                            pe[0].append(p)
-                            pe[1].append(v)
-                if in_unit:
-                    unit_touched[lane[1]].add((seg, lane))
+                e = by_lane.get(lane)
+                if e is None:
+                    by_lane[lane] = ([p], [v], [p], [v]) if wname else ([p], [v], [], [])
+                    if in_unit:
+                        touched.append((seg, lane))
+                else:
+                    e[0].append(p)
+                    e[1].append(v)
+                    if wname:
+                        e[2].append(p)
+                        e[3].append(v)
             if in_unit:
                 unit_last[lane[1]][lane] = (p, v)
                 unit_tasks[lane[1]].append(v)
@@ -246,14 +251,15 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             pos[eager] += 1
             e_pos = clock.setdefault(eager, {})[eager] = pos[eager]
             # After `end`, the unit's work is known outside only as a whole, through the end.
-            for seg, lane in sorted(unit_touched.pop(u_id, ())):
-                for tables in (seg_all, seg_w):
-                    table = tables.get(seg)
-                    moved = table.pop(lane, None) if table is not None else None
-                    if moved:
-                        ps, es = table.setdefault(eager, ([], []))
-                        ps.extend([e_pos] * len(moved[1]))
-                        es.extend(moved[1])
+            for seg, lane in unit_touched.pop(u_id, ()):
+                by_lane = segs[seg]
+                moved = by_lane.pop(lane)
+                e = by_lane.get(eager)
+                if e is None:
+                    e = by_lane[eager] = ([], [], [], [])
+                for j in (0, 2):
+                    e[j].extend([e_pos] * len(moved[j + 1]))
+                    e[j + 1].extend(moved[j + 1])
             for t in unit_tasks.pop(u_id, ()):
                 loc_lane[t] = eager
                 loc_pos[t] = e_pos
