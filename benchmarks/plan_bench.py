@@ -306,19 +306,20 @@ STAGES = {  # pipeline name -> the stage it is reported under
 }
 
 
-def child(path: str, repeat: int, capture: str | None) -> int:
-    """Compile `path` `repeat` times in this process; print one JSON line of figures."""
+def child(path: str, repeat: int, capture: str | None, cpu_stages: bool) -> int:
+    """Compile `path` `repeat` times in this process; print one JSON line of figures (stage
+    times in CPU seconds of this process when cpu_stages, else wall-clock)."""
     import streamsched.pipeline as P
 
     spent: dict[str, float] = defaultdict(float)
 
     def timed_stage(name, fn):
         def run(*a, **k):
-            t0 = time.perf_counter()
+            t0 = time.process_time() if cpu_stages else time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent[STAGES[name]] += time.perf_counter() - t0
+                spent[STAGES[name]] += (time.process_time() if cpu_stages else time.perf_counter()) - t0
         return run
 
     for name in STAGES:
@@ -359,7 +360,8 @@ def layers_for(tasks: int, capture: str | None) -> int:
 
 def files(args) -> int:
     print("deep MLP files (benchmarks/plan_bench.py deep_model_text), compile_file in a fresh process per size; "
-          f"times: best of {args.repeat} (cold: the first run, parser load included); RSS: the process's peak")
+          f"times: best of {args.repeat} (cold: the first run, parser load included; compile and cold wall-clock, "
+          f"cpu: CPU seconds; stages in {'CPU' if args.cpu else 'wall-clock'} seconds); RSS: the process's peak")
     hdr = (f"{'layers':>6} {'tasks':>7} {'edges':>7} {'instrs':>7} {'compile':>8} {'cold':>7} {'cpu':>7} {'resolve':>8} "
            f"{'unroll':>7} {'deps':>7} {'checks':>7} {'barriers':>8} {'plan chk':>8} {'peak RSS':>9}")
     print(hdr)
@@ -375,6 +377,8 @@ def files(args) -> int:
                    str(args.repeat if target <= 50_000 else 1)]
             if args.capture:
                 cmd += ["--capture", args.capture]
+            if args.cpu:
+                cmd += ["--cpu"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             b = r["best"]
@@ -401,13 +405,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (1 above 50,000 tasks)")
     ap.add_argument("--capture", choices=("none", "graphs", "step"), default=None,
                     help="capture mode written in the files (default: none written, the language's default)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="stage times in CPU seconds of the process (steadier on a shared machine) instead of wall-clock")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--synthetic", action="store_true", help="the hand-built schedule's planning table instead")
     ap.add_argument("--synthetic-tasks", type=int, default=10_000, help="approximate tasks of the synthetic schedule")
     ap.add_argument("--layers", type=int, default=48, help="layers of the synthetic schedule")
     args = ap.parse_args(argv)
     if args.child:
-        return child(args.child, args.repeat, args.capture)
+        return child(args.child, args.repeat, args.capture, args.cpu)
     if args.synthetic:
         return synthetic(args)
     return files(args)
