@@ -137,7 +137,6 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     # and access kinds are read back from `acc` only for a race.
     segs: dict[int, dict[Lane, tuple[list[int], list[int], list[int], list[int]]]] = {}
     unit_touched: dict[int, list[tuple[int, Lane]]] = defaultdict(list)  # (segment, lane) entries made
-    unit_last: dict[int, dict[Lane, tuple[int, int]]] = defaultdict(dict)
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
     unordered_after: list[tuple[int, int]] = []
@@ -153,6 +152,7 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     if afters is None:
         afters = [t.after for t in tasks]
     n_tasks = len(afters)
+    cap = capture != "none"
     # task -> the lane and position that cover it now (lists by id: a dict of pairs costs ten
     # times the memory on large plans); lane None: not launched yet
     loc_lane: list[Lane | None] = [None] * n_tasks
@@ -162,7 +162,7 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             v = ins.task
             if not 0 <= v < n_tasks or loc_lane[v] is not None:
                 raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
-            lane = lane_of(capture, ins.stream, ins.unit)
+            lane = (ins.stream, ins.unit) if cap and ins.unit >= 0 else (ins.stream, -1)  # lane_of
             c = clock.get(lane)
             if c is None:
                 c = clock[lane] = {}
@@ -212,7 +212,6 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                         e[2].append(p)
                         e[3].append(v)
             if in_unit:
-                unit_last[lane[1]][lane] = (p, v)
                 unit_tasks[lane[1]].append(v)
             if first_race and races:
                 stopped = True
@@ -244,7 +243,11 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
         elif ins.op == "end" and capture != "none":
             u_id, home = ins.unit, (ins.stream, ins.unit)
             hc = clock.get(home, {})
-            for lane, (p, t) in sorted(unit_last.get(u_id, {}).items()):
+            members = unit_tasks.pop(u_id, ())
+            last: dict[Lane, tuple[int, int]] = {}  # lane of the unit -> (position, task) of its last launch
+            for t in members:
+                last[loc_lane[t]] = (loc_pos[t], t)
+            for lane, (p, t) in sorted(last.items()):
                 if lane != home and hc.get(lane, 0) < p:
                     unjoined.append(Unjoined(u_id, lane[0], t))
             eager = (ins.stream, -1)
@@ -260,10 +263,10 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 for j in (0, 2):
                     e[j].extend([e_pos] * len(moved[j + 1]))
                     e[j + 1].extend(moved[j + 1])
-            for t in unit_tasks.pop(u_id, ()):
+            for t in members:
                 loc_lane[t] = eager
                 loc_pos[t] = e_pos
-            for lane in unit_last.pop(u_id, {}):
+            for lane in last:
                 clock.pop(lane, None)
             clock.pop(home, None)
     missing = [t for t in range(n_tasks) if loc_lane[t] is None]
