@@ -147,7 +147,14 @@ def _task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
         return extra[name]
 
     out = []
+    # Tasks of one template in different steps of a slot share their names (unroll): their
+    # accesses are equal, computed once and shared.
+    known: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[Access, ...]] = {}
     for t in schedule.tasks:
+        same = known.get((t.args, t.outs))
+        if same is not None:
+            out.append(same)
+            continue
         acc: dict[int, list[str]] = {}
         for name in t.reads:
             for s in seg_of(name):
@@ -157,7 +164,8 @@ def _task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
             for s in seg_of(name):
                 slot = acc.setdefault(s, ["", ""])
                 slot[1] = slot[1] or name
-        out.append(tuple((s, r, w) for s, (r, w) in sorted(acc.items())))
+        known[(t.args, t.outs)] = mine = tuple((s, r, w) for s, (r, w) in sorted(acc.items()))
+        out.append(mine)
     return tuple(out)
 
 

@@ -48,6 +48,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     # order, synchronize): kept aside and merged once, in _host_first, instead of rebuilding
     # the frozen task at each addition.
     more_after: dict[int, set[int]] = {}
+    per_slot: dict[tuple, list[tuple]] = {}  # (launch, slot, tag, ahead) -> per template (see emit)
 
     def slot_for(k: int, which: str) -> str:
         if which == "slot":
@@ -74,22 +75,25 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             inst = f"{g.name}[{slot}]" if slot and g.slotted else g.name
             unit = unit_for(k, inst, g.name, g.home, slot, launch.span)
             base = len(tasks)
-            for ti, t in enumerate(g.templates):
+            # What a template gives in every step of one slot (names, label, key) is made once
+            # and shared by those steps' tasks: large schedules repeat it thousands of times.
+            made = per_slot.get((li, slot, tag, ahead))
+            if made is None:
+                made = per_slot[(li, slot, tag, ahead)] = [
+                    (tuple(a.replace(SLOT, slot) for a in t.args), tuple(o.replace(SLOT, slot) for o in t.outs),
+                     t.attrs + (("ahead", ahead),) if t.kernel == "stage" else t.attrs,
+                     f"{tag}|{li}|{ti}",
+                     t.label if not slot or not g.slotted else t.label.replace(f"{g.name}:", f"{inst}:", 1),
+                     t.stmt or g.name)
+                    for ti, t in enumerate(g.templates)]
+            for t, (args, outs, attrs, tkey, label, stmt) in zip(g.templates, made):
                 key = (k, li, t.op)
                 if key not in op_ids:
                     op_ids[key] = len(op_ids)
-                attrs = t.attrs
-                if t.kernel == "stage":
-                    attrs = attrs + (("ahead", ahead),)
                 tasks.append(Task(
-                    id=len(tasks), kernel=t.kernel, stream=t.stream,
-                    args=tuple(a.replace(SLOT, slot) for a in t.args),
-                    outs=tuple(o.replace(SLOT, slot) for o in t.outs),
-                    attrs=attrs, after=tuple(base + a for a in t.after),
-                    unit=-1 if t.stream == HOST else unit, op=op_ids[key], rep_stream=t.rep_stream,
-                    step=k, slot=slot, key=f"{tag}|{li}|{ti}", label=f"{t.label}" if not slot or not g.slotted
-                    else t.label.replace(f"{g.name}:", f"{inst}:", 1),
-                    stmt=t.stmt or g.name, span=t.span, launch=li, site=t.site))
+                    len(tasks), t.kernel, t.stream, args, outs, attrs, tuple(base + a for a in t.after),
+                    -1 if t.stream == HOST else unit, op_ids[key], t.rep_stream, k, slot, tkey, label, stmt,
+                    t.span, li, t.site))
                 ids.append(len(tasks) - 1)
         elif launch.kind == "upload":
             hb = f"{launch.name}@host" + (f"[{slots[k % period]}]" if program.slots else "")
