@@ -77,14 +77,15 @@ class _Planner:
         self.unit_end: dict[int, int] = {}
         self.waited: set[int] = set()
         self.preds: dict[int, list[int]] = defaultdict(list)
+        every = policy == "auto"
+        host_ids = {t.id for t in self.tasks if t.stream == HOST}
         for e in edges:
             if e.u >= e.v:
                 raise InternalError(f"insert_barriers: edge {e.u} -> {e.v} does not follow issue order (validate_schedule reports cycles first)")
             # The interpreter orders the host's own accesses under every policy (LANGUAGE.md,
             # "The host": it waits on the copy that last read a staging slot before rewriting
             # it); the user has no statement to write an `after` on a staging write.
-            host = self.tasks[e.u].stream == HOST or self.tasks[e.v].stream == HOST
-            if policy == "auto" or e.kind == "AFTER" or host:
+            if every or e.kind == "AFTER" or e.u in host_ids or e.v in host_ids:
                 self.preds[e.v].append(e.u)
 
     # -- primitives -------------------------------------------------------------------------
@@ -117,6 +118,10 @@ class _Planner:
         anchors its clock covers, keep the latest per lane, drop any implied by another (the
         clock of a join covers an anchor iff one of the joined clocks does), and join."""
         c = self.clock.setdefault(lane, {})
+        anchors = self.anchors
+        needed = [a for a in aids if a is not None and c.get(anchors[a].lane, 0) < anchors[a].pos]
+        if not needed:
+            return  # the lane already knows them all (most tasks): no wait
 
         def minimal(cands: list[int]) -> list[int]:
             """The latest anchor per lane, then those no other one implies (the clock of a join
@@ -131,8 +136,6 @@ class _Planner:
             return [a for a in cand
                     if not any(b != a and self.anchors[b].clock.get(self.anchors[a].lane, 0) >= self.anchors[a].pos
                                for b in cand)]
-
-        needed = [a for a in aids if a is not None and c.get(self.anchors[a].lane, 0) < self.anchors[a].pos]
 
         def moved(cands: list[int]) -> list[int]:
             # A wait binds to the latest record of its event, and anchors with one share key share
