@@ -1,24 +1,44 @@
-"""Planning speed and wait counts on a large generated schedule: a deep MLP training step on five
-streams (the seed's layout: trans, comp1-3, update) plus the host, with A/B slots, unrolled to
-about 10,000 tasks, pushed through dependencies, validate_schedule, insert_barriers and
-validate_plan; prints a table of times and the waits per step that `auto` emits against the
-pairwise "last event seen per stream" rule and one wait per cross-stream edge.
+"""Compile time and peak memory of deep models against task count, and planning on a synthetic
+schedule.
 
-    python benchmarks/plan_bench.py [--tasks 10000] [--layers 48] [--repeat 3]
+Default: deep MLP files written as a user writes them (`deep_model_text`: the seed's five
+streams, one `model` of N `linear` + activation lines, A/B load slots, zero_grad / pass /
+optimize graphs, capture = step by default), N chosen so that the unrolled schedule has about
+each `--tasks` count; each size is compiled by `compile_file` (parse -> resolve -> unroll ->
+dependencies -> validate -> lints -> insert_barriers with its steady-state replay check ->
+validate_plan) in a fresh process, so the peak RSS is that size's alone and the first run
+pays the parser's load.  Prints per-stage times (best of `--repeat` runs in the process) and
+the process's peak RSS, against the targets of issue 16: 10,000 tasks in 0.5 s; 130,000 tasks
+in 10 s and 500 MB.
+
+    python benchmarks/plan_bench.py [--tasks 1000 10000 130000] [--repeat 3] [--capture step]
+    python benchmarks/plan_bench.py --synthetic [--synthetic-tasks 10000] [--layers 48]
+
+--synthetic: a hand-built deep MLP Schedule (no front end) on five streams plus the host, pushed
+through dependencies, validate_schedule, insert_barriers and validate_plan under every capture
+mode and policy; prints times and the waits per step that `auto` emits against the pairwise
+"last event seen per stream" rule and one wait per cross-stream edge.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import resource
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
-from streamsched.interp.barriers import insert_barriers, steady_period
-from streamsched.interp.dependencies import dependencies
-from streamsched.interp.ir import HOST, Buffer, Schedule, Task, Unit
-from streamsched.interp.validate import validate_plan, validate_schedule
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from streamsched.interp.barriers import insert_barriers, steady_period  # noqa: E402
+from streamsched.interp.dependencies import dependencies  # noqa: E402
+from streamsched.interp.ir import HOST, Buffer, Schedule, Task, Unit  # noqa: E402
+from streamsched.interp.validate import validate_plan, validate_schedule  # noqa: E402
 
 STREAMS = ("trans", "comp1", "comp2", "comp3", "update")
 
@@ -190,14 +210,9 @@ def timed(fn, repeat: int):
     return out, best
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tasks", type=int, default=10_000, help="approximate number of tasks")
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--repeat", type=int, default=3, help="best of N runs per pass")
-    args = ap.parse_args(argv)
+def synthetic(args) -> int:
     per_step = len(mlp_schedule(args.layers, 1, "none").tasks) - 4  # minus the prologue
-    steps = max(2, round(args.tasks / per_step))
+    steps = max(2, round(args.synthetic_tasks / per_step))
     steps += steps % 2  # whole periods
 
     print(f"MLP with {args.layers} layers, {steps} unrolled steps, streams {', '.join(STREAMS)} + host")
@@ -248,6 +263,160 @@ def main(argv=None) -> int:
     print(f"dependencies + validate_schedule + insert_barriers (auto), worst capture mode: {worst:.2f}s "
           f"({'within' if worst < 2 else 'OVER'} the 2 s budget); with validate_plan: {worst_all:.2f}s")
     return 0
+
+
+HEAD = """streams {
+    trans : copy
+    comp1 : compute
+    comp2 : compute
+    comp3 : compute
+    update : update
+}
+"""
+
+
+def deep_model_text(layers: int, capture: str | None = None) -> str:
+    """A deep MLP file as a user writes it: `layers` lines `h = linear(prev, width)` each followed
+    by relu or tanh, a softmax cross-entropy loss, SGD with momentum, A/B load slots."""
+    lines = [HEAD]
+    if capture:
+        lines += ["train {", f"    capture = {capture}", "}"]
+    lines += ["model deep(batch = 8, width = 16) {", "    input x : f32[batch, 16]", "    input y : i32[batch]"]
+    prev = "x"
+    for i in range(layers):
+        lines.append(f"    h{i} = linear({prev}, width)")
+        lines.append(f"    a{i} = {'relu' if i % 2 else 'tanh'}(h{i})")
+        prev = f"a{i}"
+    lines += [f"    logits = linear({prev}, 10)", "    loss = softmax_cross_entropy(logits, y)", "}",
+              "graph load[a, b] on trans { copy batch -> x, y }",
+              "graph zero_grad on update { clear grad(deep) }",
+              "graph pass on comp1 { forward deep; backward deep }",
+              "graph optimize on update { sgd(deep, lr, momentum = 0.9) }",
+              "step train(slot) {", "    upload lr on trans", "    zero_grad", "    pass(load[slot])",
+              "    load[next]", "    optimize", "}"]
+    return "\n".join(lines) + "\n"
+
+
+STAGES = {  # pipeline name -> the stage it is reported under
+    "resolve": "resolve", "unroll": "unroll", "dependencies": "deps",
+    "check_op_bodies": "checks", "validate_step": "checks", "validate_schedule": "checks",
+    "lint_schedule": "checks", "lint_precision": "checks", "lint_updates": "checks", "lint_launches": "checks",
+    "check_lifetimes": "checks", "insert_barriers": "barriers", "validate_plan": "plan_chk",
+    "plan_segments": "plan_chk",
+}
+
+
+def child(path: str, repeat: int, capture: str | None, cpu_stages: bool) -> int:
+    """Compile `path` `repeat` times in this process; print one JSON line of figures (stage
+    times in CPU seconds of this process when cpu_stages, else wall-clock)."""
+    import streamsched.pipeline as P
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed_stage(name, fn):
+        def run(*a, **k):
+            t0 = time.process_time() if cpu_stages else time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[STAGES[name]] += (time.process_time() if cpu_stages else time.perf_counter()) - t0
+        return run
+
+    for name in STAGES:
+        setattr(P, name, timed_stage(name, getattr(P, name)))
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    best: dict[str, float] = {}
+    runs = []
+    for _ in range(repeat):
+        spent.clear()
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        c = P.compile_file(path, capture=capture)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        runs.append(wall)
+        for k, v in list(spent.items()) + [("compile", wall), ("cpu", cpu)]:
+            best[k] = min(best.get(k, math.inf), v)
+        assert c.ok, [d.code for d in c.diagnostics]
+    print(json.dumps({"tasks": len(c.schedule.tasks), "edges": len(c.edges), "instrs": len(c.plan.instrs),
+                      "steps": c.schedule.steps, "capture": c.schedule.capture, "best": best, "first": runs[0],
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "base_rss_mb": base_rss}))
+    return 0
+
+
+def layers_for(tasks: int, capture: str | None) -> int:
+    """Layers whose unrolled schedule has about `tasks` tasks (tasks grow linearly in layers)."""
+    from streamsched.dsl.resolve import resolve
+    from streamsched.interp.unroll import default_steps, unroll
+
+    def count(n: int) -> int:
+        prog = resolve("deep.sched", deep_model_text(n, capture))
+        return len(unroll(prog, steps=default_steps(prog)).tasks)
+
+    c1, c2 = count(1), count(11)
+    per = (c2 - c1) / 10
+    return max(1, round(1 + (tasks - c1) / per))
+
+
+def files(args) -> int:
+    print("deep MLP files (benchmarks/plan_bench.py deep_model_text), compile_file in a fresh process per size; "
+          f"times: best of {args.repeat} (cold: the first run, parser load included; compile and cold wall-clock, "
+          f"cpu: CPU seconds; stages in {'CPU' if args.cpu else 'wall-clock'} seconds); RSS: the process's peak")
+    hdr = (f"{'layers':>6} {'tasks':>7} {'edges':>7} {'instrs':>7} {'compile':>8} {'cold':>7} {'cpu':>7} {'resolve':>8} "
+           f"{'unroll':>7} {'deps':>7} {'checks':>7} {'barriers':>8} {'plan chk':>8} {'peak RSS':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for target in args.tasks:
+            layers = layers_for(target, args.capture)
+            path = os.path.join(d, f"deep{layers}.sched")
+            with open(path, "w") as f:
+                f.write(deep_model_text(layers, args.capture))
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", path, "--repeat",
+                   str(args.repeat if target <= 50_000 else 1)]
+            if args.capture:
+                cmd += ["--capture", args.capture]
+            if args.cpu:
+                cmd += ["--cpu"]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            b = r["best"]
+            rows.append(r)
+            print(f"{layers:>6} {r['tasks']:>7} {r['edges']:>7} {r['instrs']:>7} {b['compile']:>7.2f}s {r['first']:>6.2f}s "
+                  f"{b['cpu']:>6.2f}s {b.get('resolve', 0):>7.2f}s {b.get('unroll', 0):>6.2f}s {b.get('deps', 0):>6.2f}s "
+                  f"{b.get('checks', 0):>6.2f}s {b.get('barriers', 0):>7.2f}s {b.get('plan_chk', 0):>7.2f}s "
+                  f"{r['peak_rss_mb']:>6.0f} MB")
+    print(f"(peak RSS of a process that only imports streamsched: {rows[0]['base_rss_mb']:.0f} MB)")
+    for r in rows:
+        t, b = r["tasks"], r["best"]
+        if 9_000 <= t <= 11_000:
+            print(f"{t} tasks: compile {b['compile']:.2f} s ({'within' if b['compile'] <= 0.5 else 'OVER'} the 0.5 s target)")
+        if 120_000 <= t <= 140_000:
+            print(f"{t} tasks: compile {b['compile']:.2f} s ({'within' if b['compile'] <= 10 else 'OVER'} 10 s), "
+                  f"peak RSS {r['peak_rss_mb']:.0f} MB ({'within' if r['peak_rss_mb'] <= 500 else 'OVER'} 500 MB)")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", type=int, nargs="+", default=[1_000, 3_000, 10_000, 30_000, 130_000],
+                    help="approximate unrolled task counts of the generated files")
+    ap.add_argument("--repeat", type=int, default=3, help="best of N runs (1 above 50,000 tasks)")
+    ap.add_argument("--capture", choices=("none", "graphs", "step"), default=None,
+                    help="capture mode written in the files (default: none written, the language's default)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="stage times in CPU seconds of the process (steadier on a shared machine) instead of wall-clock")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic", action="store_true", help="the hand-built schedule's planning table instead")
+    ap.add_argument("--synthetic-tasks", type=int, default=10_000, help="approximate tasks of the synthetic schedule")
+    ap.add_argument("--layers", type=int, default=48, help="layers of the synthetic schedule")
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args.child, args.repeat, args.capture, args.cpu)
+    if args.synthetic:
+        return synthetic(args)
+    return files(args)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ from __future__ import annotations
 import difflib
 import re
 from functools import lru_cache
-from importlib import resources
 
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
 from streamsched.dsl import ast as A
+from streamsched.dsl.parser_tables import load_parser
 from streamsched.interp.ir import AfterClause, Span
 
 # lark's terminal names, as a person would say them (STYLE.md habit 4).
@@ -43,8 +43,8 @@ def _word(term: str) -> str:
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    text = resources.files("streamsched.grammar").joinpath("sched.lark").read_text(encoding="utf-8")
-    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    """Built once per process, from the stored tables when they are fresh (parser_tables.py)."""
+    return load_parser()
 
 
 @lru_cache(maxsize=1)

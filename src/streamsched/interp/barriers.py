@@ -31,10 +31,10 @@ key already issued on the lane, which is where cudaStreamWaitEvent binds anyway.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from streamsched.diagnostics import InternalError
-from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task
+from streamsched.interp.ir import HOST, Edge, EventPlan, Instr, Schedule, Task, evolve
 
 Lane = tuple[str, int]
 
@@ -42,7 +42,7 @@ POLICIES = ("auto", "chain", "explicit")
 CAPTURES = ("none", "graphs", "step")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Anchor:
     """A point of a lane a wait can bind to: after a task's launch, after a unit's `end`, or a
     marked point (a fork).  `clock` is the lane's vector clock there; `idx` the index of the
@@ -50,7 +50,7 @@ class _Anchor:
 
     lane: Lane
     pos: int
-    clock: dict[Lane, int]
+    clock: dict[Lane, int] | None
     idx: int
     share: tuple | None
     step: int
@@ -77,14 +77,15 @@ class _Planner:
         self.unit_end: dict[int, int] = {}
         self.waited: set[int] = set()
         self.preds: dict[int, list[int]] = defaultdict(list)
+        every = policy == "auto"
+        host_ids = {t.id for t in self.tasks if t.stream == HOST}
         for e in edges:
             if e.u >= e.v:
                 raise InternalError(f"insert_barriers: edge {e.u} -> {e.v} does not follow issue order (validate_schedule reports cycles first)")
             # The interpreter orders the host's own accesses under every policy (LANGUAGE.md,
             # "The host": it waits on the copy that last read a staging slot before rewriting
             # it); the user has no statement to write an `after` on a staging write.
-            host = self.tasks[e.u].stream == HOST or self.tasks[e.v].stream == HOST
-            if policy == "auto" or e.kind == "AFTER" or host:
+            if every or e.kind == "AFTER" or e.u in host_ids or e.v in host_ids:
                 self.preds[e.v].append(e.u)
 
     # -- primitives -------------------------------------------------------------------------
@@ -117,6 +118,10 @@ class _Planner:
         anchors its clock covers, keep the latest per lane, drop any implied by another (the
         clock of a join covers an anchor iff one of the joined clocks does), and join."""
         c = self.clock.setdefault(lane, {})
+        anchors = self.anchors
+        needed = [a for a in aids if a is not None and c.get(anchors[a].lane, 0) < anchors[a].pos]
+        if not needed:
+            return  # the lane already knows them all (most tasks): no wait
 
         def minimal(cands: list[int]) -> list[int]:
             """The latest anchor per lane, then those no other one implies (the clock of a join
@@ -131,8 +136,6 @@ class _Planner:
             return [a for a in cand
                     if not any(b != a and self.anchors[b].clock.get(self.anchors[a].lane, 0) >= self.anchors[a].pos
                                for b in cand)]
-
-        needed = [a for a in aids if a is not None and c.get(self.anchors[a].lane, 0) < self.anchors[a].pos]
 
         def moved(cands: list[int]) -> list[int]:
             # A wait binds to the latest record of its event, and anchors with one share key share
@@ -408,6 +411,12 @@ class _Planner:
         which that closure makes the replay sound (`steady_period`); when none does, the closure
         of one period is kept and `steady_period` says None."""
         steps, period = self.s.steps, max(1, self.s.period)
+        # Planning is over: its clocks and indexes are dropped before the replay walk, which
+        # holds a large analysis of its own (on a 130,000-task plan the clocks alone are
+        # ~60 MB); what is left (anchors' places, shares, the waits) is all events need.
+        for A in self.anchors:
+            A.clock = None
+        self.clock, self.preds, self.task_anchor, self.lane_last, self.share_last = {}, {}, {}, {}, {}
         fallback = None
         self.steady, self.analysis = -1, None
         for m in range(period, min(steps, STEADY_PERIODS * period + 1), period):
@@ -519,12 +528,14 @@ def plan_segment(plan: EventPlan, step: int) -> tuple[Instr, ...]:
     return tuple(i for i in plan.instrs if i.step == step)
 
 
-def _replayed(plan: EventPlan, m: int, copies: int) -> tuple[EventPlan, dict[int, tuple[int, int]]] | None:
+def _replayed(plan: EventPlan, m: int, copies: int):
     """The plan followed by `copies` more issues of its last m steps, as the training loop
     issues them: each copy's tasks and units get new ids (and steps m later), its `after` names
-    the copies or unrolled tasks m steps later than the original's.  Also returns, per copied
-    task id, (original task id, copy number).  None when a task has no key (tasks are matched
-    across steps by `Task.key`)."""
+    the copies or unrolled tasks m steps later than the original's.  Returns (instructions of
+    the plan and its copies, `after` of every task id, original task id per task id), or None
+    when a task has no key (tasks are matched across steps by `Task.key`).  The copies exist
+    only as ids: the race walk needs their instructions, `after` and accesses (the original's),
+    not task records."""
     s = plan.schedule
     steps, n, nu = s.steps, len(s.tasks), len(s.units)
     if any(not t.key for t in s.tasks if t.step >= 0):
@@ -534,7 +545,6 @@ def _replayed(plan: EventPlan, m: int, copies: int) -> tuple[EventPlan, dict[int
     index = {t.id: i for i, t in enumerate(block)}
     bunits = sorted({t.unit for t in block if t.unit >= 0} | {i.unit for i in plan.instrs if i.step >= steps - m and i.unit >= 0})
     uindex = {u: i for i, u in enumerate(bunits)}
-    units = {u.id: u for u in s.units}
 
     def copy_id(tid: int, rep: int) -> int:
         return n + (rep - 1) * len(block) + index[tid]
@@ -549,26 +559,20 @@ def _replayed(plan: EventPlan, m: int, copies: int) -> tuple[EventPlan, dict[int
         orig = at.get((st - rep * m, t.key))
         return copy_id(orig, rep) if orig is not None and orig in index else None
 
-    tasks = list(s.tasks)
-    new_units = list(s.units)
-    origin: dict[int, tuple[int, int]] = {}
+    afters = [t.after for t in s.tasks]
+    origin = list(range(n))
     for rep in range(1, copies + 1):
         for t in block:
-            after = tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None)
-            unit = nu + (rep - 1) * len(bunits) + uindex[t.unit] if t.unit >= 0 else -1
-            tasks.append(replace(t, id=copy_id(t.id, rep), step=t.step + rep * m, unit=unit, after=after))
-            origin[copy_id(t.id, rep)] = (t.id, rep)
-        for u in bunits:
-            new_units.append(replace(units[u], id=nu + (rep - 1) * len(bunits) + uindex[u], step=units[u].step + rep * m))
+            afters.append(tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None))
+            origin.append(t.id)
     instrs = list(plan.instrs)
+    tail = [ins for ins in plan.instrs if ins.step >= steps - m]
     for rep in range(1, copies + 1):
-        for ins in plan.instrs:
-            if ins.step >= steps - m:
-                instrs.append(replace(
-                    ins, task=copy_id(ins.task, rep) if ins.task >= 0 else -1, step=ins.step + rep * m,
-                    unit=nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1))
-    ext = replace(s, tasks=tuple(tasks), units=tuple(new_units), steps=steps + copies * m)
-    return EventPlan(ext, tuple(instrs), plan.num_events, plan.policy), origin
+        for ins in tail:
+            instrs.append(Instr(ins.op, ins.stream, copy_id(ins.task, rep) if ins.task >= 0 else -1, ins.event,
+                                nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1,
+                                ins.step + rep * m))
+    return tuple(instrs), afters, origin
 
 
 def _replay_ok(plan: EventPlan, m: int, copies: int = 2) -> bool:
@@ -590,12 +594,13 @@ def _replay_check(plan: EventPlan, m: int, copies: int = 2):
     built = _replayed(plan, m, copies)
     if built is None:
         return False, None
-    ext, origin = built
+    instrs, afters, origin = built
     s = plan.schedule
     n = len(s.tasks)
     acc = task_accesses(s)
-    ext_acc = acc + tuple(acc[origin[i][0]] for i in range(n, len(ext.schedule.tasks)))
-    an = analyse_plan(ext, stop_from=n, accesses=ext_acc, roots=alias_roots(s))
+    ext_acc = acc + tuple(acc[origin[i]] for i in range(n, len(afters)))
+    an = analyse_plan(EventPlan(s, instrs, plan.num_events, plan.policy), stop_from=n, accesses=ext_acc,
+                      roots=alias_roots(s), afters=afters)
     ok = not any(r.second >= n for r in an.races) and not any(w.index >= len(plan.instrs) for w in an.waits) \
         and not any(v >= n for _, v in an.unordered_after)
     return ok, (an, n, len(plan.instrs), len(s.units), plan.instrs, s)

@@ -147,7 +147,14 @@ def _task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
         return extra[name]
 
     out = []
+    # Tasks of one template in different steps of a slot share their names (unroll): their
+    # accesses are equal, computed once and shared.
+    known: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[Access, ...]] = {}
     for t in schedule.tasks:
+        same = known.get((t.args, t.outs))
+        if same is not None:
+            out.append(same)
+            continue
         acc: dict[int, list[str]] = {}
         for name in t.reads:
             for s in seg_of(name):
@@ -157,7 +164,8 @@ def _task_accesses(schedule: Schedule) -> tuple[tuple[Access, ...], ...]:
             for s in seg_of(name):
                 slot = acc.setdefault(s, ["", ""])
                 slot[1] = slot[1] or name
-        out.append(tuple((s, r, w) for s, (r, w) in sorted(acc.items())))
+        known[(t.args, t.outs)] = mine = tuple((s, r, w) for s, (r, w) in sorted(acc.items()))
+        out.append(mine)
     return tuple(out)
 
 
@@ -201,35 +209,39 @@ def dependencies(schedule: Schedule) -> tuple[Edge, ...]:
     acc = task_accesses(schedule)
     last_w: dict[int, tuple[int, str]] = {}
     readers: dict[int, list[tuple[int, str]]] = {}
-    seen: dict[tuple[int, int, str, str], Edge] = {}
-
-    def add(u: int, v: int, kind: str, buf: str) -> None:
-        key = (u, v, kind, buf)
-        if key not in seen:
-            seen[key] = Edge(u, v, kind, buf)
-
+    out: list[Edge] = []
+    # Every edge into v is found while v is processed, so duplicates (a buffer of several
+    # segments) are merged and the edges sorted per v: no table of all edges is ever held.
     for t in schedule.tasks:
         v = t.id
+        mine: dict[tuple[int, int, str], None] = {}  # (u, kind order, buffer)
         for seg, rname, wname in acc[v]:
             w = last_w.get(seg)
             if rname and w is not None and w[0] != v:
-                add(w[0], v, "RAW", report_name(w[1], rname, roots))
+                mine[(w[0], 0, report_name(w[1], rname, roots))] = None
             if wname:
                 if w is not None and w[0] != v:
-                    add(w[0], v, "WAW", report_name(w[1], wname, roots))
+                    mine[(w[0], 2, report_name(w[1], wname, roots))] = None
                 for r, rn in readers.get(seg, ()):
                     if r != v:
-                        add(r, v, "WAR", report_name(rn, wname, roots))
+                        mine[(r, 1, report_name(rn, wname, roots))] = None
                 last_w[seg] = (v, wname)
                 readers[seg] = []
             else:
-                lst = readers.setdefault(seg, [])
-                if not lst or lst[-1][0] != v:
+                lst = readers.get(seg)
+                if lst is None:
+                    readers[seg] = [(v, rname)]
+                elif not lst or lst[-1][0] != v:
                     lst.append((v, rname))
         for a in t.after:
             if a < v:
-                add(a, v, "AFTER", "")
-    return tuple(sorted(seen.values(), key=lambda e: (e.v, e.u, KIND_ORDER[e.kind], e.buffer)))
+                mine[(a, 3, "")] = None
+        if mine:
+            out.extend(Edge(u, v, _KINDS[k], buf) for u, k, buf in sorted(mine))
+    return tuple(out)
+
+
+_KINDS = tuple(sorted(KIND_ORDER, key=KIND_ORDER.__getitem__))
 
 
 def conflicting_pairs(schedule: Schedule) -> tuple[tuple[int, int, str], ...]:

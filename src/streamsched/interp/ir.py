@@ -12,7 +12,7 @@ All records are frozen; spans never take part in equality.  Nothing here imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 HOST = "host"
@@ -21,7 +21,7 @@ HOST = "host"
 DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "u8": 1, "bool": 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """A source range; 1-based lines and columns, end exclusive (lark's convention)."""
 
@@ -113,7 +113,7 @@ class Site:
     `y = block(...)`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Task:
     """One kernel launch (or one host action) in issue order.
 
@@ -164,6 +164,18 @@ class Task:
         return default
 
 
+_TASK_FIELDS = ()  # set below, once Task exists
+
+
+def evolve(task: Task, **changes: Any) -> Task:
+    """`dataclasses.replace(task, **changes)` without its per-call introspection: the passes copy
+    every task of a large schedule at least once (unroll's renumbering, barriers' replays)."""
+    return Task(*[changes[n] if n in changes else getattr(task, n) for n in _TASK_FIELDS])
+
+
+_TASK_FIELDS = tuple(f.name for f in fields(Task))
+
+
 @dataclass(frozen=True)
 class Unit:
     """A capture-unit instance: one launch of `graph` (for one slot) with home stream `home`.
@@ -206,7 +218,7 @@ class Schedule:
         return {b.name: b for b in self.buffers}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Edge:
     """A required ordering u -> v between tasks (u issued before v)."""
 
@@ -216,7 +228,7 @@ class Edge:
     buffer: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Instr:
     """One instruction of the EventPlan, issued on `stream`.
 

@@ -130,8 +130,16 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
                 primary, help=help_, labels=tuple(labels), notes=notes,
                 fixes=(drop_clause(fix),) if fix is not None else ()))
 
+    apart: set[tuple] = set()  # (args, outs) whose outputs share no byte with another input
+
     def self_overlap(t: Task) -> None:
         """An output sharing bytes with an input of the same kernel under another name."""
+        names = (t.args, t.outs)
+        if names in apart:
+            return  # the same names in another step (unroll shares them): nothing overlaps
+        if not any(a != o and not set(segs.get(o, ())).isdisjoint(segs.get(a, ())) for o in t.writes for a in t.reads):
+            apart.add(names)
+            return
         k = KERNELS.get(t.kernel)
         for o in t.writes:
             so = set(segs.get(o, ()))

@@ -9,7 +9,7 @@ loop-carried edges appear") and LANGUAGE.md ("the interpreter adds a prologue").
 from __future__ import annotations
 
 from streamsched.dsl.program import SLOT, Launch, Program
-from streamsched.interp.ir import HOST, Schedule, Task, Unit
+from streamsched.interp.ir import HOST, Schedule, Task, Unit, evolve
 from streamsched.interp.memory import plan_memory
 
 
@@ -44,6 +44,11 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     last_host_write: dict[str, int] = {}
     last_host_read: dict[str, int] = {}
     last_sync: list[int] = []  # the latest step-level `synchronize` (none under capture = step)
+    # `after` edges the interpreter adds to a task once it is issued (host hazards, launch
+    # order, synchronize): kept aside and merged once, in _host_first, instead of rebuilding
+    # the frozen task at each addition.
+    more_after: dict[int, set[int]] = {}
+    per_slot: dict[tuple, list[tuple]] = {}  # (launch, slot, tag, ahead) -> per template (see emit)
 
     def slot_for(k: int, which: str) -> str:
         if which == "slot":
@@ -70,22 +75,25 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             inst = f"{g.name}[{slot}]" if slot and g.slotted else g.name
             unit = unit_for(k, inst, g.name, g.home, slot, launch.span)
             base = len(tasks)
-            for ti, t in enumerate(g.templates):
+            # What a template gives in every step of one slot (names, label, key) is made once
+            # and shared by those steps' tasks: large schedules repeat it thousands of times.
+            made = per_slot.get((li, slot, tag, ahead))
+            if made is None:
+                made = per_slot[(li, slot, tag, ahead)] = [
+                    (tuple(a.replace(SLOT, slot) for a in t.args), tuple(o.replace(SLOT, slot) for o in t.outs),
+                     t.attrs + (("ahead", ahead),) if t.kernel == "stage" else t.attrs,
+                     f"{tag}|{li}|{ti}",
+                     t.label if not slot or not g.slotted else t.label.replace(f"{g.name}:", f"{inst}:", 1),
+                     t.stmt or g.name)
+                    for ti, t in enumerate(g.templates)]
+            for t, (args, outs, attrs, tkey, label, stmt) in zip(g.templates, made):
                 key = (k, li, t.op)
                 if key not in op_ids:
                     op_ids[key] = len(op_ids)
-                attrs = t.attrs
-                if t.kernel == "stage":
-                    attrs = attrs + (("ahead", ahead),)
                 tasks.append(Task(
-                    id=len(tasks), kernel=t.kernel, stream=t.stream,
-                    args=tuple(a.replace(SLOT, slot) for a in t.args),
-                    outs=tuple(o.replace(SLOT, slot) for o in t.outs),
-                    attrs=attrs, after=tuple(base + a for a in t.after),
-                    unit=-1 if t.stream == HOST else unit, op=op_ids[key], rep_stream=t.rep_stream,
-                    step=k, slot=slot, key=f"{tag}|{li}|{ti}", label=f"{t.label}" if not slot or not g.slotted
-                    else t.label.replace(f"{g.name}:", f"{inst}:", 1),
-                    stmt=t.stmt or g.name, span=t.span, launch=li, site=t.site))
+                    len(tasks), t.kernel, t.stream, args, outs, attrs, tuple(base + a for a in t.after),
+                    -1 if t.stream == HOST else unit, op_ids[key], t.rep_stream, k, slot, tkey, label, stmt,
+                    t.span, li, t.site))
                 ids.append(len(tasks) - 1)
         elif launch.kind == "upload":
             hb = f"{launch.name}@host" + (f"[{slots[k % period]}]" if program.slots else "")
@@ -166,22 +174,20 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                 if o in host_space:
                     last_host_write[o] = tid
             if own:
-                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | own))})
+                more_after.setdefault(tid, set()).update(own)
         if launch.kind != "sync" and last_sync:
             # The host returns from a `synchronize` only once all earlier work is done, and issues
             # everything after it only then (cudaDeviceSynchronize): later work follows it.
             for tid in ids:
-                t = tasks[tid]
-                tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(last_sync)))})
+                more_after.setdefault(tid, set()).update(last_sync)
         if launch.kind == "graph":
             instances.append((launch.graph, slot, ids))
         if extra:
             # The launch's device work follows; its host staging is ordered by its own hazards
             # alone (the copy that last read the slot, above), since the step issues it first.
             for tid in ids:
-                t = tasks[tid]
-                if t.stream != HOST:
-                    tasks[tid] = Task(**{**t.__dict__, "after": tuple(sorted(set(t.after) | set(extra)))})
+                if tasks[tid].stream != HOST:
+                    more_after.setdefault(tid, set()).update(extra)
         issued[(k, li)] = ids
 
     # Prologue: the launches made on `next`, for step 0's slot.
@@ -193,28 +199,28 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             slot = slot_for(k, l.slot) if l.kind == "graph" and l.slot else (slots[k % period] if l.kind != "graph" else "")
             ahead = 1 if l.kind == "graph" and l.slot == "next" else 0
             emit(k, li, l, slot, ahead)
-    tasks = _host_first(tasks, capture)
+    tasks = _host_first(tasks, capture, more_after)
     streams = tuple(n for n, _ in program.streams) + (HOST,)
     return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy,
                     launches=tuple(program.step))
 
 
-def _host_first(tasks: list[Task], capture: str) -> list[Task]:
+def _host_first(tasks: list[Task], capture: str, more_after: dict[int, set[int]]) -> list[Task]:
     """Issue each launch's host work (staging writes) before its device work, so a capture
     unit's tasks stay contiguous: the host fills the pinned slot, then launches the graph.
-    Under capture = step the group is the whole step; otherwise one launch (one unit)."""
-    def group(t: Task) -> tuple:
-        if capture == "step":
-            return (t.step,)
-        return (t.step, int(t.key.split("|")[1]))
-
-    order = sorted(range(len(tasks)), key=lambda i: (group(tasks[i]), tasks[i].stream != HOST, i))
+    Under capture = step the group is the whole step; otherwise one launch (one unit).
+    more_after: per task id, the `after` edges unroll added to it (merged here, once)."""
+    step_only = capture == "step"
+    order = sorted(range(len(tasks)), key=lambda i: ((tasks[i].step,) if step_only else (tasks[i].step, tasks[i].launch),
+                                                     tasks[i].stream != HOST, i))
     new_id = {old: new for new, old in enumerate(order)}
     out = []
     for old in order:
         t = tasks[old]
-        after = tuple(sorted(new_id[a] for a in t.after))
-        if t.stream == HOST and any(a > new_id[old] for a in after):
+        more = more_after.get(old)
+        after = tuple(sorted(new_id[a] for a in (set(t.after) | more if more else t.after)))
+        attrs = t.attrs
+        if t.stream == HOST and after and after[-1] > new_id[old]:
             # Only under capture = step can host work move above device work it must follow: a
             # staging buffer written twice in one step, whose second write waits for the copy of
             # the first, which is now inside the step's graph.  That wait cannot be captured (the
@@ -222,6 +228,6 @@ def _host_first(tasks: list[Task], capture: str) -> list[Task]:
             # It is no `after` the user wrote, so it must never surface as an R002 cycle.
             waits_for = tuple(a for a in after if a > new_id[old])
             after = tuple(a for a in after if a < new_id[old])
-            t = Task(**{**t.__dict__, "attrs": t.attrs + (("waits_in_step_graph", waits_for),)})
-        out.append(Task(**{**t.__dict__, "id": new_id[old], "after": after}))
+            attrs = attrs + (("waits_in_step_graph", waits_for),)
+        out.append(evolve(t, id=new_id[old], after=after, attrs=attrs))
     return out

@@ -102,7 +102,7 @@ class PlanAnalysis:
 
 
 def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False, *,
-                 stop_from: int | None = None, accesses=None, roots=None) -> PlanAnalysis:
+                 stop_from: int | None = None, accesses=None, roots=None, afters=None) -> PlanAnalysis:
     """Walk `plan.instrs` once with vector clocks (module docstring) and return every race, every
     wait that binds to no usable record and every unjoined capture unit.
 
@@ -111,7 +111,9 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     stop_from: stop at the first race whose later task has an id >= stop_from (what comes before
     that task's launch is then complete: the replay check of barriers.py shares one walk with
     validate_plan that way); accesses / roots: `task_accesses` / `alias_roots` of the schedule,
-    when the caller has them (a replayed schedule's are its original's, repeated).
+    when the caller has them (a replayed schedule's are its original's, repeated); afters: per
+    task id, its `after` (default: the schedule's tasks'), which also sets the number of tasks:
+    barriers.py's replays give their copies ids past the schedule's own and no task records.
 
     Raises InternalError (a broken plan, never a user mistake) when a task is not launched
     exactly once."""
@@ -130,56 +132,86 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     clock: dict[Lane, dict[Lane, int]] = {}
     pos: dict[Lane, int] = defaultdict(int)
     records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
-    loc: dict[int, tuple[Lane, int]] = {}  # task -> the (lane, position) that covers it now
-    # Accesses per segment and lane: (positions, entries), all accesses and writes only.
-    seg_all: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
-    seg_w: dict[int, dict[Lane, tuple[list[int], list[tuple[int, bool, str]]]]] = defaultdict(dict)
-    unit_touched: dict[int, set[tuple[int, Lane]]] = defaultdict(set)
-    unit_last: dict[int, dict[Lane, tuple[int, int]]] = defaultdict(dict)
+    # Accesses per segment and lane, in lane order: [positions, task ids] of all accesses, then
+    # of the writes only (a write races with any access, a read with writes).  A task's names
+    # and access kinds are read back from `acc` only for a race.
+    segs: dict[int, dict[Lane, tuple[list[int], list[int], list[int], list[int]]]] = {}
+    unit_touched: dict[int, list[tuple[int, Lane]]] = defaultdict(list)  # (segment, lane) entries made
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
     unordered_after: list[tuple[int, int]] = []
     waits: list[WaitProblem] = []
     unjoined: list[Unjoined] = []
 
+    def access_of(u: int, seg: int) -> tuple[bool, str]:
+        for s_, rn, wn in acc[u]:
+            if s_ == seg:
+                return bool(wn), wn or rn
+        raise InternalError(f"analyse_plan: task {u} has no access to segment {seg}")
+
+    if afters is None:
+        afters = [t.after for t in tasks]
+    n_tasks = len(afters)
+    cap = capture != "none"
+    # task -> the lane and position that cover it now (lists by id: a dict of pairs costs ten
+    # times the memory on large plans); lane None: not launched yet
+    loc_lane: list[Lane | None] = [None] * n_tasks
+    loc_pos: list[int] = [0] * n_tasks
     for i, ins in enumerate(plan.instrs):
         if ins.op == "launch":
             v = ins.task
-            if not 0 <= v < len(tasks) or v in loc:
+            if not 0 <= v < n_tasks or loc_lane[v] is not None:
                 raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
-            lane = lane_of(capture, ins.stream, ins.unit)
-            c = clock.setdefault(lane, {})
-            pos[lane] += 1
-            p = c[lane] = pos[lane]
-            for u in tasks[v].after:
-                lu, pu = loc.get(u, (None, 0))
+            lane = (ins.stream, ins.unit) if cap and ins.unit >= 0 else (ins.stream, -1)  # lane_of
+            c = clock.get(lane)
+            if c is None:
+                c = clock[lane] = {}
+            p = pos[lane] = pos[lane] + 1
+            c[lane] = p
+            for u in afters[v]:
+                lu, pu = (loc_lane[u], loc_pos[u]) if 0 <= u < n_tasks else (None, 0)
                 if lu is None or (lu != lane and c.get(lu, 0) < pu):
                     unordered_after.append((u, v))
-            loc[v] = (lane, p)
+            loc_lane[v] = lane
+            loc_pos[v] = p
             raced = False
+            check = v >= races_from
+            in_unit = lane[1] >= 0
+            touched = unit_touched[lane[1]] if in_unit else None
             for seg, rname, wname in acc[v]:
-                vw = bool(wname)
-                vname = wname or rname
-                table = seg_all[seg] if vw else seg_w[seg]
-                for other, (ps, es) in table.items() if v >= races_from else ():
-                    if other == lane:
-                        continue  # program order
-                    for u, uw, uname in es[bisect_right(ps, c.get(other, 0)):]:
-                        if (u, v) not in races:
-                            races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
-                            raced = True
-                entry = (v, vw, vname)
-                ps, es = seg_all[seg].setdefault(lane, ([], []))
-                ps.append(p)
-                es.append(entry)
-                if vw:
-                    ps, es = seg_w[seg].setdefault(lane, ([], []))
-                    ps.append(p)
-                    es.append(entry)
-                if lane[1] >= 0:
-                    unit_touched[lane[1]].add((seg, lane))
-            if lane[1] >= 0:
-                unit_last[lane[1]][lane] = (p, v)
+                by_lane = segs.get(seg)
+                if by_lane is None:
+                    segs[seg] = {lane: ([p], [v], [p], [v]) if wname else ([p], [v], [], [])}
+                    if in_unit:
+                        touched.append((seg, lane))
+                    continue
+                if check:
+                    k = 0 if wname else 2
+                    for other, e in by_lane.items():
+                        ps = e[k]
+                        if not ps or other == lane:
+                            continue  # nothing it conflicts with, or program order
+                        seen = c.get(other, 0)
+                        if ps[-1] <= seen:
+                            continue  # the lane's accesses are in its order: all covered
+                        vw, vname = bool(wname), wname or rname
+                        for u in e[k + 1][bisect_right(ps, seen):]:
+                            if (u, v) not in races:
+                                uw, uname = access_of(u, seg)
+                                races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                                raced = True
+                e = by_lane.get(lane)
+                if e is None:
+                    by_lane[lane] = ([p], [v], [p], [v]) if wname else ([p], [v], [], [])
+                    if in_unit:
+                        touched.append((seg, lane))
+                else:
+                    e[0].append(p)
+                    e[1].append(v)
+                    if wname:
+                        e[2].append(p)
+                        e[3].append(v)
+            if in_unit:
                 unit_tasks[lane[1]].append(v)
             if first_race and races:
                 stopped = True
@@ -211,26 +243,33 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
         elif ins.op == "end" and capture != "none":
             u_id, home = ins.unit, (ins.stream, ins.unit)
             hc = clock.get(home, {})
-            for lane, (p, t) in sorted(unit_last.get(u_id, {}).items()):
+            members = unit_tasks.pop(u_id, ())
+            last: dict[Lane, tuple[int, int]] = {}  # lane of the unit -> (position, task) of its last launch
+            for t in members:
+                last[loc_lane[t]] = (loc_pos[t], t)
+            for lane, (p, t) in sorted(last.items()):
                 if lane != home and hc.get(lane, 0) < p:
                     unjoined.append(Unjoined(u_id, lane[0], t))
             eager = (ins.stream, -1)
             pos[eager] += 1
             e_pos = clock.setdefault(eager, {})[eager] = pos[eager]
             # After `end`, the unit's work is known outside only as a whole, through the end.
-            for seg, lane in sorted(unit_touched.pop(u_id, ())):
-                for table in (seg_all[seg], seg_w[seg]):
-                    moved = table.pop(lane, None)
-                    if moved:
-                        ps, es = table.setdefault(eager, ([], []))
-                        ps.extend([e_pos] * len(moved[1]))
-                        es.extend(moved[1])
-            for t in unit_tasks.pop(u_id, ()):
-                loc[t] = (eager, e_pos)
-            for lane in unit_last.pop(u_id, {}):
+            for seg, lane in unit_touched.pop(u_id, ()):
+                by_lane = segs[seg]
+                moved = by_lane.pop(lane)
+                e = by_lane.get(eager)
+                if e is None:
+                    e = by_lane[eager] = ([], [], [], [])
+                for j in (0, 2):
+                    e[j].extend([e_pos] * len(moved[j + 1]))
+                    e[j + 1].extend(moved[j + 1])
+            for t in members:
+                loc_lane[t] = eager
+                loc_pos[t] = e_pos
+            for lane in last:
                 clock.pop(lane, None)
             clock.pop(home, None)
-    missing = [t.id for t in tasks if t.id not in loc]
+    missing = [t for t in range(n_tasks) if loc_lane[t] is None]
     if missing and not stopped:
         raise InternalError(f"insert_barriers: tasks {missing[:5]} are never launched")
     return PlanAnalysis(
