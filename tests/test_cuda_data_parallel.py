@@ -50,7 +50,7 @@ def test_allreduce_is_captured_where_the_plan_says(nccl):
     tasks = c.schedule.tasks
     ex = CudaExecutor(c.schedule, c.plan, capture="step")
     try:
-        ex.run()
+        ex.run(host_fn=lambda task, arrays: None)  # staging and scalars: the slots' zeros will do
         ex.synchronize()
         seen_buckets = 0
         for cu in ex.graphs.values():

@@ -252,6 +252,10 @@ def test_composed_and_tied_gpt_on_cuda_follow_the_cpu(gpu, tmp_path, variant):
                                  base_dir=EXAMPLES)
     cpu, cuda = results["cpu"], results["cuda"]
     assert cuda.backend == "cuda" and cpu.steps == cuda.steps == 20
-    worst = {n: rel_diff(cuda.params[n], cpu.params[n]) for n in cpu.params}
-    assert max(worst.values()) <= 1e-3, worst
+    # (a key projection's bias adds the same q.b to every score of a query row, which softmax
+    # ignores: its gradient is zero but for rounding, which AdamW's normalisation turns into
+    # lr-sized steps of either sign; those biases are compared by the loss they leave alone)
+    worst = {n: rel_diff(cuda.params[n], cpu.params[n]) for n in cpu.params
+             if not re.search(r"(^|\.)k\d*\.b$", n)}
+    assert len(worst) >= len(cpu.params) - 4 and max(worst.values()) <= 1e-3, worst
     assert abs(cpu.history[0]["train_loss"] - cuda.history[0]["train_loss"]) <= 1e-3 * abs(cpu.history[0]["train_loss"])
