@@ -413,6 +413,9 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "increment": ([np.array(2.0)], {}),
     "alloc": ([], {"shape": (3,), "dtype": "f64"}),
     "synchronize": ([], {}),
+    "multi_tensor": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), np.array(0.1), _f(5), _f(5, seed=1), _f(5, seed=2),
+                      np.array(0.1)], {"base": "sgd_step", "parts": ((4, 2, (("momentum", 0.5),)),
+                                                                       (4, 2, (("momentum", 0.5),)))}),
 }
 
 

@@ -262,6 +262,12 @@ class CudaExecutor:
             outs = [arrays[o] for o in t.outs]
         except KeyError as exc:
             raise CudaTaskError(f"unknown buffer {exc}", task=t, phase="bind") from None
+        prepare = getattr(fn, "prepare", None)
+        if prepare is not None and not host:  # device tables a twin reads (multi_tensor): built before any capture
+            try:
+                prepare(self.ctx, t.stream, ins, outs, attrs)
+            except Exception as exc:
+                raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=t, phase="bind") from exc
         return _Bound(t, fn, attrs, ins, outs, host, capturable)
 
     # -- eager issue --------------------------------------------------------------------------

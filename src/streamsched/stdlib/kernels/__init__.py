@@ -16,6 +16,7 @@ and its row of docs/kernels.md (`DocRow`).
     transfers        fill copy flatten unflatten h2d d2h alloc synchronize stage set_scalar
     transformer      embedding pos_embedding layernorm softmax attn_scores attn_apply and their
                      gradients; adamw_step grad_sumsq clip_scale scale_grad
+    multi_tensor     multi_tensor (one launch for many per-parameter tasks: the fusion pass's)
 
 `_base` (dtypes, type-rule and NumPy helpers, `Family`) and `_cuda` (what the CUDA twins share)
 are imported by the family modules, never the other way round, and no family imports another;
@@ -31,8 +32,9 @@ import importlib
 from typing import Any, Callable, Sequence
 
 from streamsched.stdlib.kernel_record import GradRecipe, Kernel, KernelTypeError, TensorType
-from streamsched.stdlib.kernels import (conv, dropout, elementwise, gemm, loss, mixed_precision,
+from streamsched.stdlib.kernels import (conv, dropout, elementwise, gemm, loss, mixed_precision, multi_tensor,
                                         normalization, optimizers, pooling, reductions, transfers, transformer)
+from streamsched.stdlib.kernels import _base
 from streamsched.stdlib.kernels._base import FLOATS, INTS, NUMERIC, Family, numpy_dtype
 
 __all__ = ["KERNELS", "FAMILIES", "NOT_IN_PLACE", "RECIPES", "CNN_KERNELS", "CUDA_KERNELS", "kernel", "infer_types",
@@ -40,7 +42,8 @@ __all__ = ["KERNELS", "FAMILIES", "NOT_IN_PLACE", "RECIPES", "CNN_KERNELS", "CUD
 
 FAMILIES: tuple[Family, ...] = (gemm.FAMILY, elementwise.FAMILY, reductions.FAMILY, conv.FAMILY,
                                 pooling.FAMILY, normalization.FAMILY, dropout.FAMILY, loss.FAMILY,
-                                optimizers.FAMILY, mixed_precision.FAMILY, transfers.FAMILY, transformer.FAMILY)
+                                optimizers.FAMILY, mixed_precision.FAMILY, transfers.FAMILY, transformer.FAMILY,
+                                multi_tensor.FAMILY)
 """Every family module's records, in the order of docs/kernels.md's table."""
 
 
@@ -56,6 +59,7 @@ def _table(families: Sequence[Family]) -> dict[str, Kernel]:
 
 
 KERNELS: dict[str, Kernel] = _table(FAMILIES)
+_base.STDLIB.update(KERNELS)
 """Kernel name -> record, family by family (the order of docs/kernels.md)."""
 
 NOT_IN_PLACE: tuple[str, ...] = tuple(n for n, k in KERNELS.items() if not k.inplace)

@@ -1,0 +1,121 @@
+"""The fusion pass: a task-level rewrite of an unrolled Schedule, before dependency analysis, that
+turns each run of per-parameter tasks of one kernel (an optimizer call's updates, `clear
+grad(m)`'s fills, the inf/NaN checks) on one stream into one `multi_tensor` task, so the checker
+proves the plan that runs (a fused task reads and writes the union of what its parts do).
+
+Which tasks fuse (the general rule, for any file): a maximal run of tasks *adjacent in issue
+order* (no task of any stream between them), of one kernel of `multi_tensor.FUSIBLE` taken from
+the stdlib (not a user kernel of the same name), on one device stream, in one capture unit, step
+and step statement, with equal attributes (fill: equal value; its shape and dtype are per part),
+the same shared device scalars (lr, t, scale, found_inf), and per-parameter tensors that share no
+byte with another part's.  Adjacency makes the rewrite safe: every edge goes forward in issue
+order, so no path can leave the run and come back into it, and merging it cannot make a cycle;
+disjointness makes the parts' order inside the launch immaterial.  The seed's runtime does the
+same with its region-level batched updates on the update stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from streamsched.interp.ir import HOST, Schedule, Task
+from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
+
+
+def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
+    """The schedule with every fusible run of tasks (module docstring) replaced by one
+    `multi_tensor` task (kernel "multi_tensor", args/outs the parts' in order, attrs `base` and
+    `parts` = ((nin, nout, attrs), ...)); ids renumbered to stay the task index, `after` clauses
+    remapped (a clause between two parts of one run is dropped: the launch runs its parts in
+    order).  kernels: the program's kernel table (a name that is not the stdlib's own record is
+    never fused).  Returns `schedule` itself when nothing fuses."""
+    from streamsched.stdlib.kernels import KERNELS
+
+    tasks = schedule.tasks
+    bufs = schedule.buffer_map()
+    groups: list[list[Task]] = []
+    for t in tasks:
+        g = groups[-1] if groups else None
+        if g is not None and _joins(g, t, bufs):
+            g.append(t)
+        else:
+            groups.append([t])
+    if all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS) for g in groups):
+        return schedule
+    out: list[Task] = []
+    new_id: dict[int, int] = {}
+    for g in groups:
+        if len(g) >= max(2, min_parts) and _fusible(g[0], kernels, KERNELS):
+            nid = len(out)
+            for t in g:
+                new_id[t.id] = nid
+            out.append(_merge(g, nid))
+        else:
+            for t in g:
+                new_id[t.id] = len(out)
+                out.append(replace(t, id=len(out)))
+    fixed = []
+    for t in out:
+        after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
+        fixed.append(replace(t, after=after) if after != t.after else t)
+    return replace(schedule, tasks=tuple(fixed))
+
+
+def _fusible(t: Task, kernels, stdlib) -> bool:
+    if t.kernel not in FUSIBLE or t.stream == HOST:
+        return False
+    return kernels is None or kernels.get(t.kernel) is stdlib.get(t.kernel)
+
+
+def _plain_attrs(t: Task) -> tuple:
+    drop = ("shape", "dtype") if t.kernel == "fill" else ()
+    return tuple(sorted((k, v) for k, v in t.attrs if k not in drop))
+
+
+def _own(t: Task) -> tuple[list[str], list[str]]:
+    """(shared names, the part's own tensor names) of task t of a FUSIBLE kernel."""
+    si, so = FUSIBLE[t.kernel]
+    shared = [t.args[i] for i in si if i < len(t.args)] + [t.outs[i] for i in so if i < len(t.outs)]
+    own = [a for i, a in enumerate(t.args) if i not in si] + [o for i, o in enumerate(t.outs) if i not in so]
+    return shared, own
+
+
+def _joins(g: list[Task], t: Task, bufs) -> bool:
+    first = g[0]
+    if t.kernel != first.kernel or t.kernel not in FUSIBLE or t.stream != first.stream or t.stream == HOST:
+        return False
+    if (t.unit, t.step, t.slot, t.launch) != (first.unit, first.step, first.slot, first.launch):
+        return False
+    if len(t.args) != len(first.args) or len(t.outs) != len(first.outs):
+        return False
+    if _plain_attrs(t) != _plain_attrs(first):
+        return False
+    shared, own = _own(t)
+    fshared, _ = _own(first)
+    if shared != fshared:
+        return False
+    mine = [bufs[n] for n in own if n in bufs]
+    for b in mine:
+        for s in shared:
+            if s in bufs and b.overlaps(bufs[s]):
+                return False
+    for p in g:
+        _, pown = _own(p)
+        for n in pown:
+            if n in bufs:
+                pb = bufs[n]
+                if any(b.overlaps(pb) or b.name == pb.name for b in mine):
+                    return False
+    return True
+
+
+def _merge(g: list[Task], nid: int) -> Task:
+    first = g[0]
+    parts = tuple((len(t.args), len(t.outs), t.attrs) for t in g)
+    args = tuple(a for t in g for a in t.args)
+    outs = tuple(o for t in g for o in t.outs)
+    after = tuple(dict.fromkeys(a for t in g for a in t.after))
+    label = f"{first.label} +{len(g) - 1} fused" if first.label else f"{first.kernel} x{len(g)}"
+    key = "fuse(" + "|".join(t.key for t in g) + ")"
+    return replace(first, id=nid, kernel="multi_tensor", args=args, outs=outs,
+                   attrs=(("base", first.kernel), ("parts", parts)), after=after, key=key, label=label)
