@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from sched_gen import programs
 from streamsched.interp.fuse import fuse_tasks
 from streamsched.interp.ir import HOST
-from streamsched.interp.unroll import unroll
 from streamsched.pipeline import compile_file
 from streamsched.stdlib.kernels import KERNELS
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE, split

@@ -30,6 +30,8 @@ FUSIBLE: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "amp_lars_step": ((4, 5, 6), ()),
     "fill": ((), ()),
     "nonfinite_check": ((1,), (0,)),
+    "grad_sumsq": ((1,), (0,)),
+    "scale_grad": ((1,), ()),
 }
 """Base kernel -> (indices of its inputs that every part of one fused task shares: the device
 scalars lr, t, scale, found_inf; indices of its outputs that every part shares: found_inf, which
@@ -88,7 +90,8 @@ def _multi_cpu(ins, outs, at):
 _register("multi_tensor", "", "", lambda k, names, t, at: [], _multi_cpu,
           {"base": "", "parts": ()}, doc="""
 One launch doing the work of several tasks of one per-parameter kernel `base` (sgd_step,
-adam_step, adamw_step, lars_step, amp_sgd_step, amp_lars_step, fill, nonfinite_check) placed on
+adam_step, adamw_step, lars_step, amp_sgd_step, amp_lars_step, fill, nonfinite_check,
+grad_sumsq, scale_grad) placed on
 one stream by one graph statement: made by the fusion pass (`--no-fuse` turns it off), never
 written.  args / outs: the parts' inputs / outputs one part after another; parts: (number of
 inputs, number of outputs, attributes) of each part.  The shared device scalars (lr, t, scale,
@@ -114,7 +117,7 @@ _CHUNK = 4096  # elements per block (256 threads, 16 elements each)
 
 # Each kernel's body is the unfused CUDA twin's formula, in the same dtype (T_t: the tensor's,
 # computed in it as the ElementwiseKernel twins do; A_t where those twins widen), FMA off.
-_CNN_SRC["multi"] = r"""
+_MULTI_SRC = r"""
 #define SS_CHUNK 4096
 #define SS_PART \
     int b = blockIdx.x; int ti = btens[b]; long long s0 = bstart[b]; \
@@ -244,7 +247,97 @@ extern "C" __global__ void ss_multi_lars(const long long* ptrs, const long long*
         ss_put(w + i, wn2);
     }
 }
+
+// amp_lars_step: one block per tensor, its body (norms of master and the unscaled gradient).
+extern "C" __global__ void ss_multi_amp_lars(const long long* ptrs, const long long* sizes, int n,
+                                             const S_t* lr, const S_t* scale, const F_t* found,
+                                             double mom, double wd, double trust, double eps) {
+    if (ss_wide(found[0]) != 0.0) return;
+    __shared__ double sh[SS_B];
+    int ti = blockIdx.x;
+    long long size = sizes[ti];
+    W_t* w = (W_t*)ptrs[ti];
+    const W_t* dw = (const W_t*)ptrs[n + ti];
+    M_t* master = (M_t*)ptrs[2 * n + ti];
+    M_t* v = (M_t*)ptrs[3 * n + ti];
+    int t = threadIdx.x;
+    A_t inv = (A_t)(1.0 / ss_wide(scale[0]));
+    double sw = 0.0, sg = 0.0;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = (A_t)master[i], g = (A_t)ss_wide(dw[i]) * inv;
+        sw += (double)a * (double)a;
+        sg += (double)g * (double)g;
+    }
+    sw = ss_block_sum(sw, sh);
+    sg = ss_block_sum(sg, sh);
+    double wn = sqrt(sw), gn = sqrt(sg);
+    double local = (wn > 0.0 && gn > 0.0) ? trust * wn / (gn + wd * wn + eps) : 1.0;
+    A_t coef = (A_t)(ss_wide(lr[0]) * local);
+    A_t am = (A_t)mom, awd = (A_t)wd;
+    for (long long i = t; i < size; i += SS_B) {
+        A_t a = (A_t)master[i], g = (A_t)ss_wide(dw[i]) * inv;
+        A_t vn = am * (A_t)v[i] + coef * (g + awd * a);
+        A_t m = a - vn;
+        v[i] = (M_t)vn;
+        master[i] = (M_t)m;
+        ss_put(w + i, m);
+    }
+}
+
+// g = g * scale (scale_grad), scale rounded to the compute dtype first.
+extern "C" __global__ void ss_multi_scale(const long long* ptrs, const long long* sizes,
+                                          const int* btens, const long long* bstart, int n,
+                                          const S_t* scale) {
+    SS_PART
+    X_t* g = (X_t*)ptrs[ti];
+    A_t k = (A_t)ss_wide(scale[0]);
+    for (long long i = s0 + threadIdx.x; i < s1; i += blockDim.x) ss_put(g + i, SS_LD(g[i]) * k);
+}
+
+// grad_sumsq, phase 1: each block's share of its tensor's sum of squares, in double, by the
+// fixed tree, into part[block].
+extern "C" __global__ void ss_multi_sumsq_part(const long long* ptrs, const long long* sizes,
+                                               const int* btens, const long long* bstart, int n,
+                                               double* part) {
+    __shared__ double sh[SS_B];
+    SS_PART
+    const X_t* g = (const X_t*)ptrs[ti];
+    double s = 0.0;
+    for (long long i = s0 + threadIdx.x; i < s1; i += blockDim.x) { double v = ss_wide(g[i]); s += v * v; }
+    s = ss_block_sum(s, sh);
+    if (threadIdx.x == 0) part[b] = s;
+}
+
+// Phase 2, one thread: tensor by tensor (blocks of one tensor are adjacent, in chunk order), the
+// tensor's sum added to the running total and rounded to S_t, as the parts one after another do.
+extern "C" __global__ void ss_multi_sumsq_total(const int* btens, const double* part, int nblocks,
+                                                const S_t* acc, S_t* out) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    S_t a = acc[0];
+    double s = 0.0;
+    for (int k = 0; k < nblocks; ++k) {
+        s += part[k];
+        if (k + 1 == nblocks || btens[k + 1] != btens[k]) {
+            ss_put(&a, ss_wide(a) + s);
+            s = 0.0;
+        }
+    }
+    out[0] = a;
+}
 """
+
+
+
+def _split_kernels(src: str) -> dict[str, str]:
+    """Each kernel of `src` as its own source (the leading #defines before each), so that it is
+    compiled with only the typedefs it uses."""
+    head, *rest = src.split('extern "C" __global__ void ')
+    return {body.split("(", 1)[0]: head + 'extern "C" __global__ void ' + body for body in rest}
+
+
+for _name, _src in _split_kernels(_MULTI_SRC).items():
+    _CNN_SRC["multi:" + _name] = _src
+
 
 # base -> (kernel, tensor roles: (input index or None, output index) of each per-part pointer,
 # in the order the kernel reads ptrs; the output is the one written, the input must be that
@@ -257,6 +350,9 @@ _ROLES: dict[str, tuple[str, tuple[tuple[int | None, int | None], ...]]] = {
     "adamw_step": ("ss_multi_adam", ((0, 0), (1, None), (2, 1), (3, 2))),
     "lars_step": ("ss_multi_lars", ((0, 0), (1, None), (2, 1))),
     "amp_sgd_step": ("ss_multi_amp_sgd", ((0, 0), (1, None), (2, 1), (3, 2))),
+    "amp_lars_step": ("ss_multi_amp_lars", ((0, 0), (1, None), (2, 1), (3, 2))),
+    "scale_grad": ("ss_multi_scale", ((0, 0),)),
+    "grad_sumsq": ("ss_multi_sumsq_part", ((0, None),)),
 }
 
 _WIDE = ("float32", "float64")
@@ -280,7 +376,8 @@ def _tensors(base: str, parts) -> list[list[Any]] | None:
     for col in cols:
         if any(a.dtype != col[0].dtype or not a.flags.c_contiguous for a in col):
             return None
-    if base not in ("fill", "nonfinite_check", "amp_sgd_step") and str(cols[0][0].dtype) not in _WIDE:
+    if base not in ("fill", "nonfinite_check", "amp_sgd_step", "amp_lars_step", "scale_grad", "grad_sumsq") \
+            and str(cols[0][0].dtype) not in _WIDE:
         return None  # f16 tensors outside the AMP step keep their own twins
     sizes = [a.size for a in cols[0]]
     if any([a.size for a in col] != sizes for col in cols):
@@ -314,7 +411,8 @@ def _build(base: str, cols):
     dev = cp.asarray(host)
     btens = cp.asarray(np.array(bt, np.int32))
     k = len(ptrs)
-    entry = (dev[:k], dev[k:k + n], btens, dev[k + n:], len(bt), n, (dev, btens))
+    part = cp.zeros(max(1, len(bt)), cp.float64) if base == "grad_sumsq" else None  # phase-1 sums
+    entry = (dev[:k], dev[k:k + n], btens, dev[k + n:], len(bt), n, part)
     _TABLES[key] = entry
     return entry
 
@@ -373,8 +471,8 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
     if entry is None:  # eager, or a binding nobody prepared: build it now (never while capturing)
         with _stream(ctx, stream):
             entry = _build(base, cols)
-    ptrs, sizes, btens, bstart, nblocks, n, _ = entry
-    if nblocks == 0:
+    ptrs, sizes, btens, bstart, nblocks, n, part = entry
+    if nblocks == 0 and base not in ("grad_sumsq",):
         return
     fname, _ = _ROLES[base]
     x = cols[0][0].dtype
@@ -383,7 +481,7 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
         if any(dict(p[2]).get("value", 0.0) != at.get("value", 0.0) for p in parts):
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, X_t=x, A_t=_acc_of(x))
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, A_t=_acc_of(x))
         args, grid = head + (np.float64(at.get("value", 0.0)),), nblocks
     elif base == "nonfinite_check":
         found = _common(parts, 1)
@@ -391,14 +489,14 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
         if found is None or fo is None or fo.data.ptr != found.data.ptr:
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, X_t=x, F_t=found.dtype, A_t=_acc_of(x))
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, F_t=found.dtype, A_t=_acc_of(x))
         args, grid = head + (fo,), nblocks
     elif base == "sgd_step":
         lr = _common(parts, 3)
         if lr is None:
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, X_t=x, L_t=lr.dtype, A_t=_acc_of(x))
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, L_t=lr.dtype, A_t=_acc_of(x))
         args, grid = head + (lr, np.float64(at["momentum"]), np.float64(at["weight_decay"]),
                              np.int32(1 if at["nesterov"] else 0)), nblocks
     elif base in ("adam_step", "adamw_step"):
@@ -406,7 +504,7 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
         if lr is None or t is None:
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, X_t=x, L_t=lr.dtype, S_t=t.dtype, A_t=_acc_of(x))
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, L_t=lr.dtype, S_t=t.dtype, A_t=_acc_of(x))
         args, grid = head + (lr, t, np.float64(at["beta1"]), np.float64(at["beta2"]), np.float64(at["eps"]),
                              np.float64(at["weight_decay"]),
                              np.int32(1 if base == "adamw_step" else 0)), nblocks
@@ -415,16 +513,43 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
         if lr is None or scale is None or found is None or lr.dtype != scale.dtype:
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, W_t=x, M_t=cols[2][0].dtype, S_t=scale.dtype, F_t=found.dtype,
+        f = _cnn_fn("multi:" + fname, fname, W_t=x, M_t=cols[2][0].dtype, S_t=scale.dtype, F_t=found.dtype,
                     A_t=_acc_of(cols[2][0].dtype))
         args, grid = head + (lr, scale, found, np.float64(at["momentum"]), np.float64(at["weight_decay"]),
                              np.int32(1 if at["nesterov"] else 0)), nblocks
+    elif base == "scale_grad":
+        scale = _common(parts, 1)
+        if scale is None:
+            _fallback(ctx, stream, parts, base)
+            return
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, S_t=scale.dtype, A_t=_acc_of(x))
+        args, grid = head + (scale,), nblocks
+    elif base == "grad_sumsq":
+        acc, out = _common(parts, 1), _common(parts, 0, outs=True)
+        if acc is None or out is None or acc.dtype != out.dtype or acc.data.ptr != out.data.ptr:
+            _fallback(ctx, stream, parts, base)
+            return
+        total = _cnn_fn("multi:ss_multi_sumsq_total", "ss_multi_sumsq_total", X_t=x, S_t=acc.dtype, A_t=_acc_of(x))
+        with _stream(ctx, stream):
+            if nblocks:
+                _cnn_fn("multi:" + fname, fname, X_t=x, S_t=acc.dtype, A_t=_acc_of(x))((nblocks,), (256,), head + (part,))
+            total((1,), (32,), (btens, part, np.int32(nblocks), acc, out))
+        return
+    elif base == "amp_lars_step":
+        lr, scale, found = _common(parts, 4), _common(parts, 5), _common(parts, 6)
+        if lr is None or scale is None or found is None or lr.dtype != scale.dtype:
+            _fallback(ctx, stream, parts, base)
+            return
+        f = _cnn_fn("multi:" + fname, fname, W_t=x, M_t=cols[2][0].dtype, S_t=scale.dtype, F_t=found.dtype,
+                    A_t=_acc_of(cols[2][0].dtype))
+        args, grid = (ptrs, sizes, np.int32(n), lr, scale, found, np.float64(at["momentum"]),
+                      np.float64(at["weight_decay"]), np.float64(at["trust"]), np.float64(at["eps"])), n
     else:  # lars_step: one block per tensor
         lr = _common(parts, 3)
         if lr is None:
             _fallback(ctx, stream, parts, base)
             return
-        f = _cnn_fn("multi", fname, X_t=x, L_t=lr.dtype, A_t=_acc_of(x))
+        f = _cnn_fn("multi:" + fname, fname, X_t=x, L_t=lr.dtype, A_t=_acc_of(x))
         args, grid = (ptrs, sizes, np.int32(n), lr, np.float64(at["momentum"]), np.float64(at["weight_decay"]),
                       np.float64(at["trust"]), np.float64(at["eps"])), n
     with _stream(ctx, stream):

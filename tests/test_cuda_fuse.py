@@ -1,0 +1,227 @@
+"""The multi_tensor CUDA twin (stdlib/kernels/multi_tensor.py) against its NumPy twin (the parts'
+NumPy twins in order) and against the parts' own CUDA twins, for every base kernel it fuses, tensors
+of awkward sizes (1, a chunk exactly, a chunk and one, 0); the fused and unfused plans of the
+examples trained on the GPU; and a captured fused step that replays without memory nodes.
+Tolerance (stated): f32 results within 2 ulp-ish, rtol 2e-6 / atol 1e-7 per step, against the
+NumPy twin (the multi-tensor kernels are built with FMA contraction off, as the CNN kernels are;
+the ElementwiseKernel twins of sgd/adam/adamw contract, so they may differ from NumPy by an ulp);
+f64 rtol 1e-13; grad_sumsq's total rtol 1e-6 (a different, fixed, summation tree).
+Needs CuPy and a GPU; skips itself otherwise (`pytest -m cuda`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from streamsched.stdlib.kernels import KERNELS
+
+pytestmark = pytest.mark.cuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = [(1,), (4096,), (4097,), (33, 65), (0,), (784, 31)]
+_rng = np.random.default_rng(7)
+
+
+def _f(shape, dt=np.float32, scale=1.0, pos=False):
+    a = _rng.standard_normal(shape) * scale
+    return np.asarray(np.abs(a) + 0.1 if pos else a, dtype=dt)
+
+
+def _s(v, dt=np.float32):
+    return np.array(v, dt).reshape(())
+
+
+def _parts(base, dt):
+    """[(ins, outs index map)] of one part per SIZES entry: inputs as NumPy arrays; outs given as
+    indices of the inputs they update in place (shared scalars are one array for every part)."""
+    lr, t = _s(0.05), _s(3.0)
+    scale, found = _s(1024.0), _s(0.0)
+    acc, clip = _s(0.25), _s(0.375)
+    res = []
+    for shp in SIZES:
+        if base == "sgd_step":
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), lr], (0, 2)))
+        elif base in ("adam_step", "adamw_step"):
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), _f(shp, dt, pos=True), lr, t], (0, 2, 3)))
+        elif base == "lars_step":
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), lr], (0, 2)))
+        elif base in ("amp_sgd_step", "amp_lars_step"):
+            res.append(([_f(shp, np.float16), _f(shp, np.float16, 100.0), _f(shp), _f(shp), lr, scale, found],
+                        (0, 2, 3)))
+        elif base == "fill":
+            res.append(([], ()))
+        elif base == "nonfinite_check":
+            res.append(([_f(shp, dt), found], (1,)))
+        elif base == "grad_sumsq":
+            res.append(([_f(shp, dt), acc], (1,)))
+        elif base == "scale_grad":
+            res.append(([_f(shp, dt), clip], (0,)))
+    return res
+
+
+ATTRS = {"sgd_step": {"momentum": 0.9, "weight_decay": 0.01, "nesterov": True},
+         "adam_step": {"weight_decay": 0.01}, "adamw_step": {"weight_decay": 0.1, "beta2": 0.99},
+         "lars_step": {}, "amp_sgd_step": {"momentum": 0.9, "weight_decay": 1e-4}, "amp_lars_step": {},
+         "fill": {"value": 0.0}, "nonfinite_check": {}, "grad_sumsq": {}, "scale_grad": {}}
+CASES = [(b, np.float32) for b in ATTRS] + [("sgd_step", np.float64), ("adamw_step", np.float64)]
+
+
+def _run(cp, ctx, base, dt, fused: bool, nonfinite_at: int | None = None):
+    """Host copies of every part's outputs after one fused (or unfused) launch on the device."""
+    from streamsched.stdlib.kernels.multi_tensor import multi_tensor_cuda, multi_tensor_prepare
+    from streamsched.stdlib.kernels import cuda_twin
+
+    global _rng
+    _rng = np.random.default_rng(7)
+    parts = _parts(base, dt)
+    dev: dict[int, object] = {}
+
+    def d(a):
+        if id(a) not in dev:
+            dev[id(a)] = cp.asarray(a)
+        return dev[id(a)]
+
+    ins, outs, pat = [], [], []
+    for k, (pins, upd) in enumerate(parts):
+        if nonfinite_at is not None and k == nonfinite_at and pins[0].size:
+            pins[0].reshape(-1)[-1] = np.inf
+        di = [d(a) for a in pins]
+        if base == "fill":
+            shp = SIZES[k]
+            do = [cp.full(shp, 7.0, dt)]
+            at = {"value": 0.0, "shape": shp, "dtype": "f32" if dt == np.float32 else "f64"}
+        else:
+            do = [di[i] for i in upd]
+            at = ATTRS[base]
+        ins += di
+        outs += do
+        pat.append((len(di), len(do), tuple(at.items())))
+    rec = KERNELS["multi_tensor"]
+    attrs = {**rec.attrs, "base": base, "parts": tuple(pat)}
+    if fused:
+        multi_tensor_prepare(ctx, "s0", ins, outs, attrs)
+        multi_tensor_cuda(ctx, "s0", ins, outs, attrs)
+    else:
+        fn = cuda_twin(KERNELS[base])
+        i = o = 0
+        for nin, nout, at in pat:
+            fn(ctx, "s0", ins[i:i + nin], outs[o:o + nout], {**KERNELS[base].attrs, **dict(at)})
+            i, o = i + nin, o + nout
+    ctx.stream("s0").synchronize()
+    return [cp.asnumpy(a) for a in outs], parts, pat
+
+
+def _cpu(base, dt, nonfinite_at=None):
+    global _rng
+    _rng = np.random.default_rng(7)
+    parts = _parts(base, dt)
+    ins, outs, pat = [], [], []
+    for k, (pins, upd) in enumerate(parts):
+        if nonfinite_at is not None and k == nonfinite_at and pins[0].size:
+            pins[0].reshape(-1)[-1] = np.inf
+        if base == "fill":
+            shp = SIZES[k]
+            po = [np.full(shp, 7.0, dt)]
+            at = {"value": 0.0, "shape": shp, "dtype": "f32" if dt == np.float32 else "f64"}
+        else:
+            po = [pins[i] for i in upd]
+            at = ATTRS[base]
+        ins += pins
+        outs += po
+        pat.append((len(pins), len(po), tuple(at.items())))
+    KERNELS["multi_tensor"].cpu(ins, outs, {"base": base, "parts": tuple(pat)})
+    return outs
+
+
+def _close(got, want, base, dt):
+    rtol = 1e-13 if dt == np.float64 else (1e-6 if base == "grad_sumsq" else 2e-6)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol,
+                                   atol=0 if dt == np.float64 else 1e-7)
+
+
+@pytest.mark.parametrize("base,dt", CASES, ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+def test_multi_tensor_cuda_matches_the_numpy_twin_and_the_unfused_twins(cp, ctx, base, dt):
+    want = _cpu(base, dt)
+    got, _, _ = _run(cp, ctx, base, dt, fused=True)
+    _close(got, want, base, dt)
+    unfused, _, _ = _run(cp, ctx, base, dt, fused=False)
+    _close(got, unfused, base, dt)
+
+
+@pytest.mark.parametrize("base", ["nonfinite_check", "amp_sgd_step"])
+def test_an_inf_in_one_part_is_seen(cp, ctx, base):
+    if base == "nonfinite_check":
+        got, _, _ = _run(cp, ctx, base, np.float32, fused=True, nonfinite_at=3)
+        assert float(got[-1]) == 1.0
+        assert float(_cpu(base, np.float32, nonfinite_at=3)[-1]) == 1.0
+    else:
+        global _rng
+        _rng = np.random.default_rng(7)
+        parts = _parts(base, np.float32)
+        parts[0][0][6][...] = 1.0  # found_inf set: every part skipped
+        before = [a.copy() for p, _ in parts for a in p]
+        ins = [cp.asarray(a) for p, _ in parts for a in p]
+        # shared scalars: the first part's arrays stand for all
+        n = 7
+        for k in range(1, len(parts)):
+            for j in (4, 5, 6):
+                ins[k * n + j] = ins[j]
+        outs = [ins[k * n + j] for k in range(len(parts)) for j in (0, 2, 3)]
+        from streamsched.stdlib.kernels.multi_tensor import multi_tensor_cuda, multi_tensor_prepare
+
+        pat = tuple((7, 3, tuple(ATTRS[base].items())) for _ in parts)
+        at = {"base": base, "parts": pat}
+        multi_tensor_prepare(ctx, "s0", ins, outs, at)
+        multi_tensor_cuda(ctx, "s0", ins, outs, at)
+        ctx.stream("s0").synchronize()
+        for k in range(len(parts)):
+            for j in (0, 2, 3):
+                assert cp.asnumpy(ins[k * n + j]).tobytes() == before[k * n + j].tobytes()
+
+
+@pytest.mark.parametrize("example", ["mlp_digits.sched", "resnet_digits_amp.sched", "resnet_lars.sched",
+                                     "gpt_text.sched"])
+def test_fused_and_unfused_steps_train_alike_on_the_gpu(cp, example):
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    path = os.path.join(ROOT, "examples", example)
+    res = {}
+    for fuse in (True, False):
+        c = compile_file(path, fuse=fuse)
+        assert c.ok and (c.fused > 0) == fuse
+        res[fuse] = train(c, TrainOptions(backend="cuda", max_steps=10, progress=False),
+                          base_dir=os.path.join(ROOT, "examples"))
+    a, b = res[True], res[False]
+    assert a.backend == b.backend == "cuda" and a.steps == b.steps == 10
+    for n in b.params:
+        x, y = a.params[n].astype(np.float64), b.params[n].astype(np.float64)
+        scale = max(1.0, float(np.max(np.abs(y)))) if y.size else 1.0
+        assert float(np.max(np.abs(x - y), initial=0.0)) <= 1e-5 * scale, n
+
+
+def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):
+    from streamsched.interp.cuda import CudaExecutor, graph_nodes_edges
+    from streamsched.pipeline import compile_file
+
+    c = compile_file(os.path.join(ROOT, "examples", "mlp_digits.sched"), capture="step")
+    assert c.fused > 0
+    ex = CudaExecutor(c.schedule, c.plan, c.program.kernels, capture="step")
+    try:
+        n_multi = 0
+        for uid in {u.id for u in c.schedule.units}:
+            types, _ = graph_nodes_edges(ex.graph_of(uid))
+            assert "MemAlloc" not in types and "MemFree" not in types, types
+        for t in c.schedule.tasks:
+            n_multi += t.kernel == "multi_tensor"
+        assert n_multi >= 2 * c.schedule.steps  # the clear and the update of every step
+        ex.run()
+        ex.synchronize()
+        ex.run()
+        ex.synchronize()
+    finally:
+        ex.close()
