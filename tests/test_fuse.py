@@ -38,7 +38,14 @@ def _recount(schedule) -> int:
                 tuple(t.args[i] for i in si), tuple(t.outs[i] for i in so))
 
     folded, prev = 0, None
+    tasks = list(schedule.tasks)
+    pairs = {i + 1 for i in range(len(tasks) - 1)
+             if tasks[i].kernel == "softmax_xent" and tasks[i + 1].kernel == "softmax_xent_grad"
+             and tasks[i].stream == tasks[i + 1].stream and tasks[i + 1].args[1:] == tasks[i].args}
+    folded += len(pairs)
     for t in schedule.tasks:
+        if t.id in pairs:
+            continue
         s = sig(t) if t.kernel in FUSIBLE and t.stream != HOST else None
         if s is not None and s == prev:
             folded += 1
@@ -54,6 +61,8 @@ def test_examples_fuse_check_clean_and_fold_what_the_rule_names(path):
     assert plain.fused == 0 and len(plain.schedule.tasks) == len(fused.schedule.tasks) + fused.fused
     assert fused.fused == _recount(plain.schedule) > 0
     parts = {}
+    assert sum(t.kernel == "softmax_xent_fused" for t in fused.schedule.tasks) == \
+        sum(t.kernel == "softmax_xent" for t in plain.schedule.tasks) > 0
     for t in fused.schedule.tasks:
         assert t.id == fused.schedule.tasks.index(t)
         if t.kernel == "multi_tensor":
@@ -72,6 +81,11 @@ def test_fused_tasks_have_the_union_of_their_parts_accesses_and_keep_order():
     f = fuse_tasks(s, c.program.kernels)
     it = iter(s.tasks)
     for t in f.tasks:
+        if t.kernel == "softmax_xent_fused":
+            a, b = next(it), next(it)
+            assert (a.kernel, b.kernel) == ("softmax_xent", "softmax_xent_grad")
+            assert t.args == a.args + b.args[:1] and t.outs == a.outs + b.outs and b.args[1:] == a.args
+            continue
         if t.kernel != "multi_tensor":
             u = next(it)
             assert (u.kernel, u.args, u.outs, u.stream) == (t.kernel, t.args, t.outs, t.stream)

@@ -10,7 +10,13 @@ and step statement, with equal attributes (fill: equal value; its shape and dtyp
 the same shared device scalars (lr, t, scale, found_inf), and per-parameter tensors that share no
 byte with another part's.  Adjacency makes the rewrite safe: every edge goes forward in issue
 order, so no path can leave the run and come back into it, and merging it cannot make a cycle;
-disjointness makes the parts' order inside the launch immaterial.  The seed's runtime does the
+disjointness makes the parts' order inside the launch immaterial.
+
+Pairs: a `softmax_xent(logits, labels) -> loss` task followed at once (adjacent, one stream, unit,
+step and launch) by `softmax_xent_grad(dloss, logits, labels) -> dlogits` on the same logits and
+labels becomes one `softmax_xent_fused(logits, labels, dloss) -> (loss, dlogits)` task, when dloss
+shares no byte with the loss (the gradient's seed is not the value the first task writes) and
+dlogits none with logits, labels or the loss.  The seed's runtime does the
 same with its region-level batched updates on the update stream.
 """
 
@@ -31,8 +37,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     never fused).  Returns `schedule` itself when nothing fuses."""
     from streamsched.stdlib.kernels import KERNELS
 
-    tasks = schedule.tasks
     bufs = schedule.buffer_map()
+    tasks = _pairs(schedule.tasks, bufs, kernels, KERNELS)
     groups: list[list[Task]] = []
     for t in tasks:
         g = groups[-1] if groups else None
@@ -40,7 +46,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             g.append(t)
         else:
             groups.append([t])
-    if all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS) for g in groups):
+    if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
+                                       for g in groups):
         return schedule
     out: list[Task] = []
     new_id: dict[int, int] = {}
@@ -57,8 +64,51 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     fixed = []
     for t in out:
         after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
+        after = tuple(a for a in after if a != t.id)
         fixed.append(replace(t, after=after) if after != t.after else t)
     return replace(schedule, tasks=tuple(fixed))
+
+
+_PAIR = ("softmax_xent", "softmax_xent_grad", "softmax_xent_fused")
+
+
+def _pairs(tasks, bufs, kernels, stdlib):
+    """`tasks` with every fusible softmax_xent / softmax_xent_grad pair (module docstring) made one
+    softmax_xent_fused task that keeps the first's id; the second's id is mapped to it through
+    the `after` of the tasks that name it.  `tasks` itself when there is none."""
+    first, second, fused = _PAIR
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _PAIR):
+        return tasks
+    out, gone = [], {}
+    i = 0
+    while i < len(tasks):
+        t = tasks[i]
+        u = tasks[i + 1] if i + 1 < len(tasks) else None
+        if u is not None and t.kernel == first and u.kernel == second and t.stream == u.stream != HOST \
+                and (t.unit, t.step, t.slot, t.launch) == (u.unit, u.step, u.slot, u.launch) \
+                and len(t.args) == 2 and len(u.args) == 3 and tuple(u.args[1:]) == tuple(t.args) \
+                and _apart(bufs, u.args[0], t.outs[0]) \
+                and all(_apart(bufs, u.outs[0], n) for n in (t.args[0], t.args[1], t.outs[0], u.args[0])):
+            gone[u.id] = t.id
+            out.append(replace(t, kernel=fused, args=(t.args[0], t.args[1], u.args[0]),
+                               outs=(t.outs[0], u.outs[0]), attrs=(), after=tuple(dict.fromkeys(t.after + u.after)),
+                               key="fuse(" + t.key + "|" + u.key + ")",
+                               label=f"{t.label} + {u.label}" if t.label and u.label else t.label))
+            i += 2
+        else:
+            out.append(t)
+            i += 1
+    if not gone:
+        return tasks
+    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+                 else t for t in out)
+
+
+def _apart(bufs, a: str, b: str) -> bool:
+    if a == b:
+        return False
+    ba, bb = bufs.get(a), bufs.get(b)
+    return ba is None or bb is None or not ba.overlaps(bb)
 
 
 def _fusible(t: Task, kernels, stdlib) -> bool:
