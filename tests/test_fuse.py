@@ -43,6 +43,16 @@ def _recount(schedule) -> int:
              if tasks[i].kernel == "softmax_xent" and tasks[i + 1].kernel == "softmax_xent_grad"
              and tasks[i].stream == tasks[i + 1].stream and tasks[i + 1].args[1:] == tasks[i].args}
     folded += len(pairs)
+    readers = {}
+    for t in tasks:
+        for a in t.args:
+            readers.setdefault(a, set()).add(t.kernel)
+    for i in range(len(tasks) - 2):
+        a, b, c = tasks[i:i + 3]
+        if a.kernel == "matmul" and not any(v for _, v in a.attrs) and b.kernel == "add" and c.kernel in ("relu", "gelu") \
+                and b.args[0] == a.outs[0] and c.args == b.outs and readers[a.outs[0]] == {"add"} \
+                and (c.kernel == "gelu" or readers[b.outs[0]] == {"relu"}) and len(set((u.unit, u.step) for u in (a, b, c))) == 1:
+            folded += 2
     for t in schedule.tasks:
         if t.id in pairs:
             continue
@@ -81,6 +91,11 @@ def test_fused_tasks_have_the_union_of_their_parts_accesses_and_keep_order():
     f = fuse_tasks(s, c.program.kernels)
     it = iter(s.tasks)
     for t in f.tasks:
+        if t.kernel in ("gemm_bias_relu", "gemm_bias_gelu"):
+            a, b, act = next(it), next(it), next(it)
+            assert (a.kernel, b.kernel, act.kernel) == ("matmul", "add", t.kernel[-4:])
+            assert t.args == a.args + b.args[1:] and t.outs == (b.outs if act.kernel == "gelu" else ()) + act.outs
+            continue
         if t.kernel == "softmax_xent_fused":
             a, b = next(it), next(it)
             assert (a.kernel, b.kernel) == ("softmax_xent", "softmax_xent_grad")

@@ -382,6 +382,8 @@ def _f(*shape, seed=0):
 SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so results compare exactly)
     "matmul": ([_f(3, 3), _f(3, 3, seed=1)], {}),
     "matmul_t": ([_f(3, 3), _f(3, 3, seed=1)], {"ta": True, "tb": True}),
+    "gemm_bias_relu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
+    "gemm_bias_gelu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
     "add": ([_f(3, 4), _f(4, seed=1)], {}),
     "sub": ([_f(3, 4), _f(3, 4, seed=1)], {}),
     "mul": ([_f(3, 4), np.array(2.0)], {}),

@@ -16,7 +16,14 @@ Pairs: a `softmax_xent(logits, labels) -> loss` task followed at once (adjacent,
 step and launch) by `softmax_xent_grad(dloss, logits, labels) -> dlogits` on the same logits and
 labels becomes one `softmax_xent_fused(logits, labels, dloss) -> (loss, dlogits)` task, when dloss
 shares no byte with the loss (the gradient's seed is not the value the first task writes) and
-dlogits none with logits, labels or the loss.  The seed's runtime does the
+dlogits none with logits, labels or the loss.
+
+GEMM epilogues: `matmul(x, w) -> t` (no transposes), `add(t, b) -> h` (b a vector of w's columns)
+and `relu(h) -> y` or `gelu(h) -> y`, adjacent in issue order in one unit, step and launch, become
+one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on the GEMM's stream,
+when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
+backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
+their bytes.  The seed's runtime does the
 same with its region-level batched updates on the update stream.
 """
 
@@ -38,7 +45,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     from streamsched.stdlib.kernels import KERNELS
 
     bufs = schedule.buffer_map()
-    tasks = _pairs(schedule.tasks, bufs, kernels, KERNELS)
+    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS)
     groups: list[list[Task]] = []
     for t in tasks:
         g = groups[-1] if groups else None
@@ -100,6 +107,82 @@ def _pairs(tasks, bufs, kernels, stdlib):
             i += 1
     if not gone:
         return tasks
+    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+                 else t for t in out)
+
+
+_EPI = {"relu": "gemm_bias_relu", "gelu": "gemm_bias_gelu"}
+
+
+def _epilogues(tasks, buffers, kernels, stdlib):
+    """`tasks` with every matmul -> add -> relu|gelu run (module docstring) made one
+    gemm_bias_relu / gemm_bias_gelu task keeping the matmul's id (the others' ids mapped to it in
+    every `after`); `tasks` itself when there is none.  "No other reader" counts the same work in
+    the other unrolled steps as fused too: the candidates are found first, then dropped until
+    every reader of a dropped intermediate is itself a fused part (a fixed point)."""
+    names = ("matmul", "add") + tuple(_EPI) + tuple(_EPI.values())
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in names):
+        return tasks
+    bufs = {b.name: b for b in buffers}
+    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3)
+    for i in range(len(tasks) - 2):
+        t1, t2, t3 = tasks[i], tasks[i + 1], tasks[i + 2]
+        if t1.kernel != "matmul" or any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
+            continue
+        if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
+            continue
+        if HOST in (t1.stream, t2.stream, t3.stream) or len(t2.args) != 2 or t2.args[0] != t1.outs[0] \
+                or t3.args != t2.outs:
+            continue
+        m, bias = t1.outs[0], t2.args[1]
+        bm, bb = bufs.get(m), bufs.get(bias)
+        if bm is None or bb is None or len(bm.shape) != 2 or bb.shape != bm.shape[1:]:
+            continue
+        if not all(_apart(bufs, o, a) for o in t3.outs + t2.outs for a in t1.args + (bias,)):
+            continue
+        cand[i] = (t1, t2, t3)
+    if not cand:
+        return tasks
+    readers: dict[str, set[int]] = {}
+    for t in tasks:
+        for a in t.args:
+            readers.setdefault(a, set()).add(t.id)
+
+    def readers_of(name: str) -> set[int]:
+        b = bufs[name]
+        r: set[int] = set()
+        for o in buffers:
+            if o.name == name or b.overlaps(o):
+                r |= readers.get(o.name, set())
+        return r
+
+    need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2].kernel == "relu" else set())
+            for i, c in cand.items()}
+    while True:
+        t2s = {c[1].id for c in cand.values()}
+        t3s = {c[2].id for c in cand.values()}
+        bad = [i for i in cand if not (need[i][0] <= t2s and need[i][1] <= t3s)]
+        if not bad:
+            break
+        for i in bad:
+            del cand[i]
+    if not cand:
+        return tasks
+    out, gone = [], {}
+    i = 0
+    while i < len(tasks):
+        if i in cand:
+            t1, t2, t3 = cand[i]
+            gone[t2.id] = gone[t3.id] = t1.id
+            outs = (t2.outs[0],) + t3.outs if t3.kernel == "gelu" else t3.outs
+            out.append(replace(t1, kernel=_EPI[t3.kernel], args=t1.args + (t2.args[1],), outs=outs, attrs=(),
+                               after=tuple(dict.fromkeys(t1.after + t2.after + t3.after)),
+                               key="fuse(" + "|".join(u.key for u in (t1, t2, t3)) + ")",
+                               label=f"{t1.label} +{t3.kernel}" if t1.label else t1.label))
+            i += 3
+        else:
+            out.append(tasks[i])
+            i += 1
     return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
                  else t for t in out)
 
