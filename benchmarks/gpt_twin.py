@@ -96,6 +96,10 @@ def gpt_spec(compiled) -> dict:
     frameworks), an optimizer other than adamw or a parameter without it, clipping of only some
     gradients, attention with more than one heads/context setting."""
     program, sched = compiled.program, compiled.schedule
+    if getattr(compiled, "fused", 0):  # read the tasks as written (the fusion pass folds adamw_step & co.)
+        from streamsched.interp.unroll import unroll
+
+        sched = unroll(program, steps=sched.steps)
     m = program.model
     if m is None:
         raise ValueError("the file has no model")

@@ -107,11 +107,15 @@ def test_gpt_blocks_is_gpt_text_with_composition():
 
 def test_place_and_on_inside_a_block(tmp_path):
     text = BLOCKS.replace("    h = linear(x, width)\n", "    h = linear(x, width) on comp2\n")
-    c = compile_file(write(tmp_path, text))
+    c = compile_file(write(tmp_path, text), fuse=False)
     gemms = {t.stream for t in c.schedule.tasks if t.kernel == "matmul" and "h." not in t.label and
              t.label.split(": ")[-1].startswith("linear@a")}
     assert gemms == {"comp2"}
-    moved = compile_file(write(tmp_path, BLOCKS + "place block.y on comp2\n", "placed.sched"))
+    # fused (the default), the GEMM with its bias and relu epilogue runs where the GEMM was placed
+    f = compile_file(write(tmp_path, text))
+    assert {t.stream for t in f.schedule.tasks if t.kernel == "gemm_bias_relu" and "h." not in t.label and
+            t.label.split(": ")[-1].startswith("linear@a")} == {"comp2"}
+    moved = compile_file(write(tmp_path, BLOCKS + "place block.y on comp2\n", "placed.sched"), fuse=False)
     assert {t.stream for t in moved.schedule.tasks if t.kernel == "relu"} == {"comp2"}
 
 

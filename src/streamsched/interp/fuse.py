@@ -23,7 +23,8 @@ and `relu(h) -> y` or `gelu(h) -> y`, adjacent in issue order in one unit, step 
 one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on the GEMM's stream,
 when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
 backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
-their bytes.  The seed's runtime does the
+their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
+the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
 same with its region-level batched updates on the update stream.
 """
 
@@ -45,7 +46,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     from streamsched.stdlib.kernels import KERNELS
 
     bufs = schedule.buffer_map()
-    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS)
+    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
+                       one_stream=schedule.policy == "explicit")
     groups: list[list[Task]] = []
     for t in tasks:
         g = groups[-1] if groups else None
@@ -114,7 +116,7 @@ def _pairs(tasks, bufs, kernels, stdlib):
 _EPI = {"relu": "gemm_bias_relu", "gelu": "gemm_bias_gelu"}
 
 
-def _epilogues(tasks, buffers, kernels, stdlib):
+def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     """`tasks` with every matmul -> add -> relu|gelu run (module docstring) made one
     gemm_bias_relu / gemm_bias_gelu task keeping the matmul's id (the others' ids mapped to it in
     every `after`); `tasks` itself when there is none.  "No other reader" counts the same work in
@@ -131,6 +133,8 @@ def _epilogues(tasks, buffers, kernels, stdlib):
             continue
         if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
             continue
+        if one_stream and not t1.stream == t2.stream == t3.stream:
+            continue  # explicit: the user orders streams; a missing `after` between them stays an R001
         if HOST in (t1.stream, t2.stream, t3.stream) or len(t2.args) != 2 or t2.args[0] != t1.outs[0] \
                 or t3.args != t2.outs:
             continue

@@ -447,10 +447,11 @@ def multi_tensor_prepare(ctx, stream, ins, outs, attrs) -> None:
     cols = _tensors(base, parts)
     if cols is None or not cols[0]:
         return
-    with _stream(ctx, stream) as s:
+    st = ctx.stream(stream) if ctx is not None else None
+    with _stream(ctx, stream):
         _build(base, cols)
-        if s is not None and hasattr(s, "synchronize"):
-            s.synchronize()
+    if st is not None:
+        st.synchronize()
 
 
 def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
