@@ -83,7 +83,22 @@ Variants:
                        overwritten, not accumulated, so the six clears do nothing): what fewer
                        launches buy.
 
-`--captures` restricts the streamsched capture modes that run (default: all three).
+  ss_step_{five,one}_nofuse
+                       the same step planned with `--no-fuse` (every per-parameter task, the loss
+                       and its gradient, the GEMM, bias and activation as separate launches)
+  torch_compile_graph  (mlp784_b128, mlp784_b2048, resnet_digits, gpt_text) the strongest PyTorch
+                       configuration: torch.compile(model, mode="max-autotune-no-cudagraphs")
+                       inside a whole-step torch.cuda.graph with fused SGD / AdamW, each in a
+                       process of its own that compiles while the rest runs (--peer-after: only
+                       after) and times alone once every peer is compiled; killed after
+                       --peer-budget seconds from its start.  resnet_digits runs it with dropout
+                       p = 0 (its loss check needs it; one fewer kernel favours the peer).
+                       `strongest_peer.<model>` of the JSON: its `us`, streamsched's fastest fused
+                       whole-step variant `streamsched_us` and `ratio`, the --no-fuse figures.
+
+`--captures` restricts the streamsched capture modes that run (default: all three); `--quick`
+leaves out the _nozero variants; `--peer-models`, `--peer-mode` (e.g. "default" for a compile
+of seconds), `--peer-budget` and `--peer-log-dir` steer the peers.
 
 For each: GPU time per step (CUDA events around `--steps` steps, `--reps` repetitions, median),
 host issue time per step (wall time of the issuing loop / steps), and the loss after

@@ -198,10 +198,14 @@ def test_fused_and_unfused_steps_train_alike_on_the_gpu(cp, example):
                           base_dir=os.path.join(ROOT, "examples"))
     a, b = res[True], res[False]
     assert a.backend == b.backend == "cuda" and a.steps == b.steps == 10
+    # SGD and LARS: 1e-5 of the largest |value| (cuBLASLt's GEMM and the FMA-free update kernels
+    # round differently from cuBLAS and the ElementwiseKernel twins); AdamW divides by sqrt(v), so a
+    # gradient near zero can take a step of lr either way: 2e-3 (lr 3e-3 at most ten times)
+    tol = 2e-3 if example == "gpt_text.sched" else 1e-5
     for n in b.params:
         x, y = a.params[n].astype(np.float64), b.params[n].astype(np.float64)
         scale = max(1.0, float(np.max(np.abs(y)))) if y.size else 1.0
-        assert float(np.max(np.abs(x - y), initial=0.0)) <= 1e-5 * scale, n
+        assert float(np.max(np.abs(x - y), initial=0.0)) <= tol * scale, n
 
 
 def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):

@@ -51,7 +51,8 @@ def _recount(schedule) -> int:
         a, b, c = tasks[i:i + 3]
         if a.kernel == "matmul" and not any(v for _, v in a.attrs) and b.kernel == "add" and c.kernel in ("relu", "gelu") \
                 and b.args[0] == a.outs[0] and c.args == b.outs and readers[a.outs[0]] == {"add"} \
-                and (c.kernel == "gelu" or readers[b.outs[0]] == {"relu"}) and len(set((u.unit, u.step) for u in (a, b, c))) == 1:
+                and (c.kernel == "gelu" or readers[b.outs[0]] == {"relu"}) and len(set((u.unit, u.step) for u in (a, b, c))) == 1 \
+                and (schedule.policy != "explicit" or a.stream == b.stream == c.stream):
             folded += 2
     for t in schedule.tasks:
         if t.id in pairs:
