@@ -96,6 +96,10 @@ def gpt_spec(compiled) -> dict:
     frameworks), an optimizer other than adamw or a parameter without it, clipping of only some
     gradients, attention with more than one heads/context setting."""
     program, sched = compiled.program, compiled.schedule
+    if getattr(compiled, "fused", 0):  # read the tasks as written (the fusion pass folds adamw_step & co.)
+        from streamsched.interp.unroll import unroll
+
+        sched = unroll(program, steps=sched.steps)
     m = program.model
     if m is None:
         raise ValueError("the file has no model")
@@ -501,12 +505,13 @@ def torch_eager(spec, init, x, y, lr, *, steps, reps, warmup, check_steps, devic
 
 
 def torch_graph(spec, init, x, y, lr, *, steps, reps, warmup, check_steps, fused=False, compile_mode=None,
-                device="cuda", check_only=False, attention="sdpa") -> dict:
+                device="cuda", check_only=False, attention="sdpa", before_timing=None) -> dict:
     """The whole step (forward, loss, backward, clip, AdamW(capturable), zero_grad(set_to_none=
     False)) captured in one torch.cuda.graph and replayed (PyTorch's whole-network capture);
     fused: AdamW(fused=True) instead of foreach; compile_mode: the model through
     torch.compile(mode=compile_mode) first (compiled by the warm-up, before the capture).
-    The loss after `check_steps` replays from the initial values, then the timing."""
+    The loss after `check_steps` replays from the initial values, then the timing (before_timing()
+    called just before it: benchmarks/step_time.py's peers wait there for their turn on the GPU)."""
     import torch
 
     model = torch_gpt(spec, init, device, attention)
@@ -549,6 +554,8 @@ def torch_graph(spec, init, x, y, lr, *, steps, reps, warmup, check_steps, fused
     if compile_mode:
         res["compile_s"] = round(warm_s, 1)
     if not check_only:
+        if before_timing is not None:
+            before_timing()
         res.update(time_cuda(g.replay, steps, reps, warmup))
     return res
 
@@ -595,7 +602,15 @@ def _peer_main(argv: list[str]) -> None:
     ap.add_argument("--check-steps", type=int, default=20)
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--ready", default="", help="write this file once compiled and checked, then ...")
+    ap.add_argument("--go", default="", help="... wait for this file before timing")
     a = ap.parse_args(argv)
+
+    def turn():
+        if a.ready:
+            open(a.ready, "w").close()
+            while a.go and not os.path.exists(a.go):
+                time.sleep(0.1)
     try:
         import torch
 
@@ -607,7 +622,7 @@ def _peer_main(argv: list[str]) -> None:
         x = torch.from_numpy(z["x"].astype(np.int64)).cuda()
         y = torch.from_numpy(z["y"].astype(np.int64)).cuda()
         res = torch_graph(spec, init, x, y, a.lr, steps=a.steps, reps=a.reps, warmup=a.warmup,
-                          check_steps=a.check_steps, fused=True, compile_mode=a.mode)
+                          check_steps=a.check_steps, fused=True, compile_mode=a.mode, before_timing=turn)
     except Exception as exc:
         traceback.print_exc()
         res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -83,7 +83,22 @@ Variants:
                        overwritten, not accumulated, so the six clears do nothing): what fewer
                        launches buy.
 
-`--captures` restricts the streamsched capture modes that run (default: all three).
+  ss_step_{five,one}_nofuse
+                       the same step planned with `--no-fuse` (every per-parameter task, the loss
+                       and its gradient, the GEMM, bias and activation as separate launches)
+  torch_compile_graph  (mlp784_b128, mlp784_b2048, resnet_digits, gpt_text) the strongest PyTorch
+                       configuration: torch.compile(model, mode="max-autotune-no-cudagraphs")
+                       inside a whole-step torch.cuda.graph with fused SGD / AdamW, each in a
+                       process of its own that compiles while the rest runs (--peer-after: only
+                       after) and times alone once every peer is compiled; killed after
+                       --peer-budget seconds from its start.  resnet_digits runs it with dropout
+                       p = 0 (its loss check needs it; one fewer kernel favours the peer).
+                       `strongest_peer.<model>` of the JSON: its `us`, streamsched's fastest fused
+                       whole-step variant `streamsched_us` and `ratio`, the --no-fuse figures.
+
+`--captures` restricts the streamsched capture modes that run (default: all three); `--quick`
+leaves out the _nozero variants; `--peer-models`, `--peer-mode` (e.g. "default" for a compile
+of seconds), `--peer-budget` and `--peer-log-dir` steer the peers.
 
 For each: GPU time per step (CUDA events around `--steps` steps, `--reps` repetitions, median),
 host issue time per step (wall time of the issuing loop / steps), and the loss after
@@ -167,7 +182,7 @@ def one_stream_text(text: str) -> str:
     return re.sub(r"\bon\s+(" + "|".join(map(re.escape, names)) + r")\b", "on main", text)
 
 
-def compile_steady(path: str, capture: str):
+def compile_steady(path: str, capture: str, fuse: bool = True):
     """compile_file(path, capture=...), unrolled further when the default unrolling has no
     steady state for the loop to repeat (the loop runs thousands of steps); the last try is
     returned when none has one (`segment_index` then repeats its last slot period)."""
@@ -176,7 +191,7 @@ def compile_steady(path: str, capture: str):
 
     c = None
     for n in (None, 6, 8, 12):
-        c = compile_file(path, capture=capture, steps=n)
+        c = compile_file(path, capture=capture, steps=n, fuse=fuse)
         if c.plan is None:
             return c
         try:
@@ -184,7 +199,7 @@ def compile_steady(path: str, capture: str):
             return c
         except ValueError:
             continue
-    return compile_file(path, capture=capture)
+    return compile_file(path, capture=capture, fuse=fuse)
 
 
 def segment_index(plan):
@@ -616,6 +631,197 @@ def gpt_peer(spec, init, args) -> dict:
                               warmup=args.warmup, check_steps=args.check_steps, budget_s=args.peer_budget)
 
 
+PEER_MODELS = ("mlp784_b128", "mlp784_b2048", "resnet_digits")
+"""The SGD models whose strongest PyTorch variant, torch_compile_graph, runs in a process of its own
+(`start_peer` / `finish_peer`); gpt_text's runs through gpt_twin.peer_subprocess (`gpt_peer`)."""
+
+PEER_NOTE = ("torch.compile(model, mode=MODE) inside a whole-step torch.cuda.graph, SGD(momentum=0.9, fused=True), "
+             "zero_grad(set_to_none=False) captured (../shared/tools/strongest_peer.py's configuration)")
+
+
+def start_peer(name: str, spec: dict, init: dict, layers, args) -> dict:
+    """Start the strongest PyTorch variant of an SGD model (`PEER_NOTE`) as `python step_time.py
+    peer ...` in a process group of its own: it compiles and captures at once (in parallel with
+    the other variants: compilation is CPU work), then waits for `finish_peer` to let it time, so
+    no two timings share the GPU.  resnet_digits runs with dropout p = 0 (the loss check needs it;
+    one fewer kernel favours the peer)."""
+    import subprocess
+
+    tmp = tempfile.mkdtemp(prefix=f"ss_peer_{name}_")
+    inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.json")
+    ready, go = os.path.join(tmp, "ready"), os.path.join(tmp, "go")
+    meta = {k: v for k, v in spec.items() if not isinstance(v, np.ndarray)}
+    if meta.get("kind") == "resnet":
+        meta["dropout"] = 0.0
+    np.savez(inp, x=spec["x"], y=spec["y"], meta=np.array(json.dumps({"spec": meta, "layers": layers})),
+             **{f"init/{k}": v for k, v in init.items()})
+    cmd = [sys.executable, os.path.abspath(__file__), "peer", inp, out, ready, go, "--steps", str(args.steps),
+           "--reps", str(args.reps), "--warmup", str(args.warmup), "--check-steps", str(args.check_steps),
+           "--mode", args.peer_mode]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), HERE] + ([env["PYTHONPATH"]] if
+                                                                             env.get("PYTHONPATH") else []))
+    log = open(os.path.join(args.peer_log_dir or tmp, f"peer_{name}.log"), "w")
+    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    return {"p": p, "t0": time.perf_counter(), "out": out, "ready": ready, "go": go, "tmp": tmp, "log": log,
+            "dropout": meta.get("dropout")}
+
+
+def start_gpt_peer(name: str, spec: dict, init: dict, args) -> dict:
+    """gpt_text's strongest variant (gpt_twin.py peer: torch.compile(MODE) of the twin inside a
+    whole-step torch.cuda.graph, fused AdamW) started like `start_peer`, for `finish_peer`."""
+    import subprocess
+
+    tmp = tempfile.mkdtemp(prefix=f"ss_peer_{name}_")
+    inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.json")
+    ready, go = os.path.join(tmp, "ready"), os.path.join(tmp, "go")
+    np.savez(inp, x=spec["x"], y=spec["y"], spec=np.array(json.dumps(spec["gpt"])),
+             **{f"init/{k}": v for k, v in init.items()})
+    cmd = [sys.executable, os.path.join(HERE, "gpt_twin.py"), "peer", inp, out, "--steps", str(args.steps),
+           "--reps", str(args.reps), "--warmup", str(args.warmup), "--check-steps", str(args.check_steps),
+           "--lr", repr(spec["lr"]), "--mode", args.peer_mode, "--ready", ready, "--go", go]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), HERE] + ([env["PYTHONPATH"]] if
+                                                                             env.get("PYTHONPATH") else []))
+    log = open(os.path.join(args.peer_log_dir or tmp, f"peer_{name}.log"), "w")
+    p = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    return {"p": p, "t0": time.perf_counter(), "out": out, "ready": ready, "go": go, "tmp": tmp, "log": log}
+
+
+def wait_ready(h: dict, budget_s: float) -> None:
+    """Until the peer is compiled and waits for its turn, has exited, or its budget is spent."""
+    while not os.path.exists(h["ready"]) and h["p"].poll() is None and time.perf_counter() < h["t0"] + budget_s:
+        time.sleep(0.2)
+
+
+def finish_peer(h: dict, budget_s: float) -> dict:
+    """Let a started peer time its step (once it is ready) and collect its result; killed with its
+    whole group (inductor's compile workers) when budget_s seconds after its start have passed."""
+    import shutil
+    import signal
+    import subprocess
+
+    p, deadline = h["p"], h["t0"] + budget_s
+    try:
+        while not os.path.exists(h["ready"]) and p.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        if os.path.exists(h["ready"]):
+            open(h["go"], "w").close()
+        try:
+            p.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return {"skipped": f"did not finish within its budget of {budget_s:.0f} s (--peer-budget); killed "
+                               f"after {time.perf_counter() - h['t0']:.0f} s"}
+        if not os.path.exists(h["out"]):
+            return {"skipped": f"the peer process exited with status {p.returncode} and no result"}
+        with open(h["out"], encoding="utf-8") as f:
+            res = json.load(f)
+        res["process_s"] = round(time.perf_counter() - h["t0"], 1)
+        return res
+    finally:
+        h["log"].close()
+        shutil.rmtree(h["tmp"], ignore_errors=True)
+
+
+def _peer_main(argv: list[str]) -> None:
+    """The child of `start_peer`: compile, capture, check the loss, write `ready`, wait for `go`,
+    time, write the result as JSON."""
+    ap = argparse.ArgumentParser(prog="step_time.py peer")
+    for a in ("inp", "out", "ready", "go"):
+        ap.add_argument(a)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--check-steps", type=int, default=20)
+    ap.add_argument("--mode", default="max-autotune-no-cudagraphs")
+    a = ap.parse_args(argv)
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        z = np.load(a.inp)
+        meta = json.loads(str(z["meta"]))
+        spec = dict(meta["spec"], x=z["x"], y=z["y"])
+        layers = [tuple(l) for l in meta["layers"]]
+        init = {k[5:]: z[k] for k in z.files if k.startswith("init/")}
+        make, reset, x = torch_builder(spec, init, layers, "cuda")
+        y = torch.from_numpy(spec["y"].astype(np.int64)).cuda()
+        model = make()
+        t0 = time.perf_counter()
+        cm = torch.compile(model, mode=a.mode)
+        opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9,
+                              weight_decay=spec.get("weight_decay", 0.0), fused=True)
+
+        def step():
+            loss = F.cross_entropy(cm(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(5):  # compiles (minutes under max-autotune), creates the momentum buffers
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        reset(model, opt)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_loss = step()
+        torch.cuda.synchronize()
+        reset(model, opt)
+        for _ in range(a.check_steps):
+            g.replay()
+        loss = float(static_loss.detach())
+        res = {"loss_after_check": loss, "compile_s": round(compile_s, 1), "mode": a.mode,
+               "note": PEER_NOTE.replace("MODE", a.mode)}
+        if spec.get("kind") == "resnet":
+            res["loss_after_check_p0"] = loss
+            res["dropout"] = 0.0
+        open(a.ready, "w").close()
+        while not os.path.exists(a.go):
+            time.sleep(0.1)
+        res.update(time_torch(g.replay, a))
+    except Exception as exc:
+        traceback.print_exc()
+        res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    with open(a.out, "w", encoding="utf-8") as f:
+        json.dump(res, f)
+
+
+def strongest_peer_rows(out: dict) -> dict:
+    """`strongest_peer.<model>` of h200.json: the strongest PyTorch variant's GPU time per step
+    (`us`), streamsched's fastest fused whole-step variant (`streamsched_us`, ss_step_five or
+    ss_step_one) and their ratio, with the unfused (`--no-fuse`) figures beside them."""
+    rows = {}
+    for name, row in out["models"].items():
+        v = row["variants"]
+        peer = v.get("torch_compile_graph", {})
+        best = min((k for k in ("ss_step_five", "ss_step_one") if v.get(k, {}).get("gpu_us")),
+                   key=lambda k: v[k]["gpu_us"], default=None)
+        nof = min((k for k in ("ss_step_five_nofuse", "ss_step_one_nofuse") if v.get(k, {}).get("gpu_us")),
+                  key=lambda k: v[k]["gpu_us"], default=None)
+        us = peer.get("gpu_us")
+        ss = v[best]["gpu_us"] if best else None
+        r = {"us": us, "streamsched_us": ss, "ratio": ratio(ss, us), "streamsched_variant": best,
+             "peer": peer.get("note", "torch_compile_graph") if us else peer.get("skipped", "not run"),
+             "peer_compile_s": peer.get("compile_s")}
+        if nof:
+            r.update({"nofuse_us": v[nof]["gpu_us"], "nofuse_ratio": ratio(v[nof]["gpu_us"], us),
+                      "nofuse_variant": nof})
+        lc = row.get("loss_check", {})
+        r["loss_max_rel_diff"] = lc.get("max_rel_diff")
+        rows[name] = r
+    return rows
+
+
 AMP_LOSS_TOL = 5e-2  # relative loss difference flagged (not failed) for the f16 model
 AMP_INIT_SCALE = 65536.0  # GradScaler's default, and the .sched file's `loss_scale` state
 
@@ -759,7 +965,7 @@ def _stats(gpu, host) -> dict:
 # -- streamsched -------------------------------------------------------------------------------
 
 def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_only: bool = False,
-               check_only: bool = False) -> dict:
+               check_only: bool = False, fuse: bool = True) -> dict:
     """One streamsched variant.  replay_only: issue only the device work of each step (graph
     launches, waits, records), leaving out its host tasks and host waits: the device-side step
     time without the host/device round trip of the plan's staging waits (valid here only because
@@ -768,7 +974,7 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
     from streamsched.interp.barriers import plan_segment
     from streamsched.interp.cuda import CudaExecutor, Program, graph_nodes_edges
-    c = compile_steady(path, capture)
+    c = compile_steady(path, capture, fuse)
     if not c.ok or c.plan is None:
         return {"skipped": f"does not check: {[d.code for d in c.diagnostics]}"}
     plan, program = c.plan, c.program
@@ -862,7 +1068,7 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
                 nodes[t] = nodes.get(t, 0) + 1
         seg = plan_segment(plan, index(10 ** 6))
         res.update({"setup_s": round(setup_s, 2), "graphs": len(ex.graphs), "segments": how,
-                    "unrolled_steps": c.schedule.steps,
+                    "unrolled_steps": c.schedule.steps, "fused_tasks": c.fused,
                     "graph_nodes": nodes, "streams": len(streams),
                     "kernels_per_step": sum(1 for i in seg if i.op == "launch" and i.stream != "host"),
                     "host_waits_per_step": sum(1 for i in seg if i.op == "wait" and i.stream == "host")})
@@ -902,6 +1108,24 @@ def run(args) -> dict:
         "models": {},
     }
     deferred: dict[str, dict] = {}  # gpt models: name -> initial values, for the peer run last
+    peers: dict[str, dict] = {}  # SGD models: their strongest-peer processes, compiling meanwhile
+    peer_models = [n for n in (args.peer_models.split(",") if args.peer_models else PEER_MODELS + ("gpt_text",))
+                   if n]
+
+    def start_peers():
+        for name in peer_models if not args.no_compile else ():
+            if name in specs and name in PEER_MODELS:
+                init, layers = initial_weights(specs[name]["five"])
+                peers[name] = start_peer(name, specs[name], init, layers, args)
+            elif name in specs and specs[name].get("kind") == "gpt":
+                init, _ = initial_weights(specs[name]["five"])
+                peers[name] = start_gpt_peer(name, specs[name], init, args)
+            else:
+                continue
+            print(f"== {name}: torch_compile_graph started (budget {args.peer_budget:.0f} s)", flush=True)
+
+    if not args.peer_after:
+        start_peers()  # they compile while the other variants run, and time one at a time at the end
     for name, spec in specs.items():
         init, layers = initial_weights(spec["five"])
         row: dict = {"batch": spec["batch"], "lr": spec["lr"],
@@ -950,21 +1174,24 @@ def run(args) -> dict:
                 traceback.print_exc()
         captures = [c for c in args.captures.split(",") if c]
         for capture, replay, extra in (("none", False, ""), ("graphs", False, ""), ("step", False, ""),
-                                       ("step", True, ""), ("step", False, "_nozero")):
+                                       ("step", True, ""), ("step", False, "_nozero"), ("step", False, "_nofuse")):
             if capture not in captures:
                 continue
             for streams in ("five", "one"):
                 vname = f"ss_{capture}_{streams}" + ("_replay" if replay else "") + extra
-                if streams + extra not in spec:
+                src = streams + ("" if extra == "_nofuse" else extra)
+                if src not in spec or (extra == "_nozero" and args.quick):
                     continue
                 try:
-                    res = ss_variant(spec[streams + extra], capture, spec, init, args, replay_only=replay)
+                    res = ss_variant(spec[src], capture, spec, init, args, replay_only=replay,
+                                     fuse=extra != "_nofuse")
                 except Exception as exc:
                     traceback.print_exc()
                     res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                if streams + "_p0" in spec and not replay and not extra and "skipped" not in res:
+                if streams + "_p0" in spec and not replay and extra in ("", "_nofuse") and "skipped" not in res:
                     try:
-                        chk = ss_variant(spec[streams + "_p0"], capture, spec, init, args, check_only=True)
+                        chk = ss_variant(spec[streams + "_p0"], capture, spec, init, args, check_only=True,
+                                         fuse=extra != "_nofuse")
                         res["loss_after_check_p0"] = chk["loss_after_check"]
                         if "loss_scale_after_check" in chk:
                             res["loss_scale_after_check_p0"] = chk["loss_scale_after_check"]
@@ -983,7 +1210,21 @@ def run(args) -> dict:
         out["timelines"] = timelines(specs, args.trace_dir)
         if args.json:
             _write_json(args.json, out)
+    if args.peer_after:
+        start_peers()
+    for h in peers.values():  # every compile (and its autotuning on the GPU) done before any peer times
+        wait_ready(h, args.peer_budget)
+    for name, h in peers.items():  # then one at a time on a quiet GPU
+        res = finish_peer(h, args.peer_budget)
+        out["models"][name]["variants"]["torch_compile_graph"] = res
+        print(f"  {name} {'torch_compile_graph':22s} "
+              f"{json.dumps({k: v for k, v in res.items() if not k.endswith('_reps')})}", flush=True)
+        summarize_model(name, out["models"][name], args.check_steps)
+        if args.json:
+            _write_json(args.json, out)
     for name, init in deferred.items():  # last: its compile can take minutes (--peer-budget)
+        if name in peers or args.no_compile or name not in peer_models:
+            continue
         print(f"== {name}: torch_compile_graph (budget {args.peer_budget:.0f} s)", flush=True)
         row = out["models"][name]
         try:
@@ -997,6 +1238,10 @@ def run(args) -> dict:
         summarize_model(name, row, args.check_steps)
         if args.json:
             _write_json(args.json, out)
+    out["strongest_peer"] = strongest_peer_rows(out)
+    print("strongest_peer " + json.dumps(out["strongest_peer"], indent=1), flush=True)
+    if args.json:
+        _write_json(args.json, out)
     return out
 
 
@@ -1031,7 +1276,7 @@ def summarize_model(name: str, row: dict, check_steps: int) -> None:
         k: {"vs_torch_graph": ratio(g[k], g.get(gref)), "vs_torch_eager": ratio(g[k], g.get("torch_eager"))}
         for k in v if g.get(k)
     }
-    if name == "gpt_text":  # the strongest PyTorch configuration measured, by GPU time
+    if True:  # the strongest PyTorch configuration measured, by GPU time
         strong = min((k for k in ("torch_graph", "torch_graph_fused", "torch_compile_graph") if g.get(k)),
                      key=lambda k: g[k], default=None)
         row["strongest_torch"] = strong
@@ -1116,7 +1361,7 @@ def _write_json(path: str, data: dict) -> None:
 ORDER = ["torch_eager", "torch_graph", "torch_graph_fused", "torch_graph_partial", "torch_compile",
          "torch_compile_graph", "ss_none_five", "ss_none_one", "ss_graphs_five",
          "ss_graphs_one", "ss_step_five", "ss_step_one", "ss_step_five_replay", "ss_step_one_replay",
-         "ss_step_five_nozero", "ss_step_one_nozero"]
+         "ss_step_five_nozero", "ss_step_one_nozero", "ss_step_five_nofuse", "ss_step_one_nofuse"]
 
 
 def markdown(out: dict) -> str:
@@ -1175,12 +1420,25 @@ def main() -> None:
                     help="seconds of torch.compile time, all models together, before skipping it")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (torch_compile, torch_compile_graph)")
     ap.add_argument("--peer-budget", type=float, default=360.0,
-                    help="seconds the gpt_text strongest-peer variant (torch.compile max-autotune inside a whole-step "
-                         "CUDA graph, fused AdamW; compile and timing) may take in its own process before it is killed")
+                    help="seconds each strongest-peer variant (torch_compile_graph: torch.compile max-autotune inside a "
+                         "whole-step CUDA graph, fused SGD / AdamW; compile and timing) may take in its own process, "
+                         "from its start, before it is killed")
+    ap.add_argument("--peer-models", default="",
+                    help="the models whose torch_compile_graph variant runs (default: mlp784_b128, mlp784_b2048, "
+                         "resnet_digits and gpt_text; each in its own process, killed after --peer-budget s)")
+    ap.add_argument("--peer-mode", default="max-autotune-no-cudagraphs",
+                    help="torch.compile mode of the peers (\"default\" compiles in seconds, autotunes nothing)")
+    ap.add_argument("--peer-log-dir", default="", help="write each peer process's output here")
+    ap.add_argument("--peer-after", action="store_true",
+                    help="start the peers' compiles only after every other variant has been timed (slower; no "
+                         "compile competes with the host side of the timed steps)")
+    ap.add_argument("--quick", action="store_true", help="leave out the _nozero variants")
     ap.add_argument("--trace-dir", default="",
                     help="also write gated timelines of the MLP 784 and gpt_text steps here")
     args = ap.parse_args()
     args.compile_spent = 0.0
+    if args.compile_budget <= 0:
+        args.compile_spent = 1.0  # torch_compile (reduce-overhead) skipped: its budget is spent
     sys.path.insert(0, os.path.join(ROOT, "src"))
     out = run(args)
     if args.json:
@@ -1193,4 +1451,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "peer":
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+        _peer_main(sys.argv[2:])
+    else:
+        main()

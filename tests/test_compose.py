@@ -107,18 +107,22 @@ def test_gpt_blocks_is_gpt_text_with_composition():
 
 def test_place_and_on_inside_a_block(tmp_path):
     text = BLOCKS.replace("    h = linear(x, width)\n", "    h = linear(x, width) on comp2\n")
-    c = compile_file(write(tmp_path, text))
+    c = compile_file(write(tmp_path, text), fuse=False)
     gemms = {t.stream for t in c.schedule.tasks if t.kernel == "matmul" and "h." not in t.label and
              t.label.split(": ")[-1].startswith("linear@a")}
     assert gemms == {"comp2"}
-    moved = compile_file(write(tmp_path, BLOCKS + "place block.y on comp2\n", "placed.sched"))
+    # fused (the default), the GEMM with its bias and relu epilogue runs where the GEMM was placed
+    f = compile_file(write(tmp_path, text))
+    assert {t.stream for t in f.schedule.tasks if t.kernel == "gemm_bias_relu" and "h." not in t.label and
+            t.label.split(": ")[-1].startswith("linear@a")} == {"comp2"}
+    moved = compile_file(write(tmp_path, BLOCKS + "place block.y on comp2\n", "placed.sched"), fuse=False)
     assert {t.stream for t in moved.schedule.tasks if t.kernel == "relu"} == {"comp2"}
 
 
 def test_place_one_line_of_one_instance(tmp_path):
     """`place a2.2.h on comp3` moves instance 2's GEMM only; `place a1.y` the single call's relu;
     a name that matches no instance's line is S006 at the name, and a name missing a dot is P002."""
-    c = compile_file(write(tmp_path, BLOCKS + "place a2.2.h on comp3\nplace a1.y on comp2\n", "inst.sched"))
+    c = compile_file(write(tmp_path, BLOCKS + "place a2.2.h on comp3\nplace a1.y on comp2\n", "inst.sched"), fuse=False)
     fwd = {t.label.split(": ")[-1]: t.stream for t in c.schedule.tasks if t.kernel in ("matmul", "relu")
            and t.label.split(": ")[-1].startswith(("linear@", "relu@"))}
     assert fwd["linear@a2.2.h"] == "comp3" and fwd["linear@a2.1.h"] == "comp1" and fwd["linear@a1.h"] == "comp1"
@@ -249,7 +253,7 @@ def test_streams_of_block_lines_most_specific_first(tmp_path):
     """Header `on`: the default of the lines; the calling line's `on` beats it; a body `on` beats
     that; `place block.s` beats the body's `on`."""
     def streams(block_text, lines, extra=""):
-        c = compile_file(_model(block_text, lines, tmp_path, "s.sched", extra))
+        c = compile_file(_model(block_text, lines, tmp_path, "s.sched", extra), fuse=False)
         assert c.ok, c.diagnostics
         return {t.label.split(": ")[-1]: t.stream for t in c.schedule.tasks if t.kernel in ("matmul", "relu")
                 and t.step == 0 and t.label.split(": ")[-1].startswith(("linear@z", "relu@z"))}

@@ -1,5 +1,7 @@
 """Golden event plans: the `streamsched lower` text of every example under every policy is pinned
-in tests/golden/plans/EXAMPLE.POLICY.txt.  A change to dependency analysis or barrier insertion
+in tests/golden/plans/EXAMPLE.POLICY.txt (with `--no-fuse`: every per-parameter task its own
+launch, the plans as they were before the fusion pass) and EXAMPLE.POLICY.fused.txt (the default:
+the fusion pass's multi_tensor launches).  A change to dependency analysis or barrier insertion
 shows up here as a diff to review (`pytest tests/test_golden_plans.py --update-golden`)."""
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ from streamsched.pipeline import compile_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "plans")
 EXAMPLES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "examples", "*.sched")))
-CASES = [(e, p) for e in EXAMPLES for p in ("auto", "chain", "explicit")]
+CASES = [(e, p, f) for e in EXAMPLES for p in ("auto", "chain", "explicit") for f in (False, True)]
 
 
-@pytest.mark.parametrize("example,policy", CASES)
-def test_plan_text_is_pinned(example, policy, request, monkeypatch):
+@pytest.mark.parametrize("example,policy,fuse", CASES)
+def test_plan_text_is_pinned(example, policy, fuse, request, monkeypatch):
     monkeypatch.chdir(ROOT)
     sources = SourceCache()
-    c = compile_file(os.path.join("examples", example), policy=policy, sources=sources)
+    c = compile_file(os.path.join("examples", example), policy=policy, sources=sources, fuse=fuse)
     assert c.plan is not None
     text = format_plan(c.plan, sources)
     codes = sorted({d.code for d in c.diagnostics})
     text += f"\n# diagnostics: {', '.join(codes) if codes else 'none'} ({len(c.diagnostics)})\n"
-    path = os.path.join(GOLDEN, f"{example[:-6]}.{policy}.txt")
+    path = os.path.join(GOLDEN, f"{example[:-6]}.{policy}{'.fused' if fuse else ''}.txt")
     if request.config.getoption("--update-golden"):
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)

@@ -194,7 +194,7 @@ def _reaches(edges, n):
 
 
 def test_the_step_forks_as_a_transformer_step_should():
-    c = compile_file(EXAMPLE)
+    c = compile_file(EXAMPLE, fuse=False)  # the tasks as written (the fused plan: below)
     tasks = c.schedule.tasks
     assert [t.id for t in tasks] == list(range(len(tasks)))
     reach = _reaches(c.edges, len(tasks))
@@ -224,6 +224,12 @@ def test_the_step_forks_as_a_transformer_step_should():
     n = len(c.program.model.params)
     assert kinds == ["grad_sumsq"] * n + ["clip_scale"] + ["scale_grad"] * n + ["adamw_step"] * n
     assert {t.stream for t in opt} == {"update"}
+    # fused, the same order in four launches after the clear: one per run of per-parameter tasks
+    f = compile_file(EXAMPLE)
+    fk = [(t.kernel, t.attr("base"), len(t.attr("parts") or ())) for t in f.schedule.tasks
+          if t.step == 0 and t.label.startswith("optimize:") and t.kernel != "fill"]
+    assert fk == [("multi_tensor", "grad_sumsq", n), ("clip_scale", None, 0), ("multi_tensor", "scale_grad", n),
+                  ("multi_tensor", "adamw_step", n)]
 
 
 @pytest.mark.slow

@@ -382,6 +382,8 @@ def _f(*shape, seed=0):
 SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so results compare exactly)
     "matmul": ([_f(3, 3), _f(3, 3, seed=1)], {}),
     "matmul_t": ([_f(3, 3), _f(3, 3, seed=1)], {"ta": True, "tb": True}),
+    "gemm_bias_relu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
+    "gemm_bias_gelu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
     "add": ([_f(3, 4), _f(4, seed=1)], {}),
     "sub": ([_f(3, 4), _f(3, 4, seed=1)], {}),
     "mul": ([_f(3, 4), np.array(2.0)], {}),
@@ -400,6 +402,7 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "sigmoid_grad": ([_f(3, 4), 1 / (1 + np.exp(-_f(3, 4, seed=1)))], {}),
     "softmax_xent": ([_f(3, 4), np.array([0, 3, 1], np.int32)], {}),
     "softmax_xent_grad": ([np.array(1.5), _f(3, 4), np.array([0, 3, 1], np.int32)], {}),
+    "softmax_xent_fused": ([_f(3, 4), np.array([0, 3, 1], np.int32), np.array(1.5)], {}),
     "fill": ([], {"value": 1.5, "shape": (3, 4), "dtype": "f64"}),
     "copy": ([_f(3, 4)], {}),
     "flatten": ([_f(2, 3, 3, 2)], {}),
@@ -414,6 +417,9 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "alloc": ([], {"shape": (3,), "dtype": "f64"}),
     "synchronize": ([], {}),
     "allreduce_mean": ([_f(3, 4)], {"bucket": "grad:x"}),  # one rank: the mean is the value
+    "multi_tensor": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), np.array(0.1), _f(5), _f(5, seed=1), _f(5, seed=2),
+                      np.array(0.1)], {"base": "sgd_step", "parts": ((4, 2, (("momentum", 0.5),)),
+                                                                       (4, 2, (("momentum", 0.5),)))}),
 }
 
 
@@ -455,7 +461,7 @@ def test_lower_precision_runs_and_keeps_its_dtype(key, dtype, tol):
     got = run(name, low, attrs)
     for g, w in zip(got, want):
         expect = dtype if w.dtype == np.float64 else w.dtype
-        if name == "softmax_xent" and dtype == np.float16:
+        if name in ("softmax_xent", "softmax_xent_fused") and dtype == np.float16 and g.ndim == 0:
             expect = np.float32  # the loss of f16 logits is f32 (the loss-scale seed is f32)
         assert g.dtype == expect
         close(g.astype(np.float64), w, tol * max(1.0, float(np.abs(w).max())))

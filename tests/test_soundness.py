@@ -145,7 +145,7 @@ def test_into_a_double_buffered_input_is_per_slot(tmp_path):
     assert c.ok, [d.message for d in c.diagnostics]
     # under auto the in-place relu adds no wait: the plan orders exactly what it orders without it
     q = write(tmp_path, STREAMS + INPUT_INTO + GRAPHS + STEP + TRAIN, "plain.sched")
-    assert _waits(c.plan) == _waits(compile_file(q).plan)
+    assert _waits(compile_file(p, fuse=False).plan) == _waits(compile_file(q, fuse=False).plan)
 
 
 def test_into_a_double_buffered_input_has_no_false_race_under_explicit(tmp_path):

@@ -52,7 +52,7 @@ def _compile(args, sources: SourceCache, path: str):
     from streamsched.pipeline import compile_file
 
     return compile_file(path, policy=args.policy, capture=getattr(args, "capture", None), sources=sources,
-                        kernels=_kernel_modules(args))
+                        kernels=_kernel_modules(args), fuse=not getattr(args, "no_fuse", False))
 
 
 def _kernel_modules(args):
@@ -365,12 +365,16 @@ def build_parser() -> "argparse.ArgumentParser":
                 help="import kernels written in Python from MODULE (package.module, or an entry point of "
                      "streamsched.kernels); may be repeated")
 
+    nofuse = dict(action="store_true", help="plan every per-parameter task as its own launch (no multi-tensor "
+                                            "fusion), for comparison")
+
     c = sub.add_parser("check", help="parse, resolve and prove a schedule race-free")
     c.add_argument("files", nargs="+")
     c.add_argument("--format", choices=["text", "json"], default="text")
     c.add_argument("--policy", **pol)
     c.add_argument("--capture", **cap)
     c.add_argument("--kernels", **kern)
+    c.add_argument("--no-fuse", **nofuse)
     c.set_defaults(fn=cmd_check)
 
     lo = sub.add_parser("lower", help="print the event plan (per-stream launch / record / wait)")
@@ -378,6 +382,7 @@ def build_parser() -> "argparse.ArgumentParser":
     lo.add_argument("--policy", **pol)
     lo.add_argument("--capture", **cap)
     lo.add_argument("--kernels", **kern)
+    lo.add_argument("--no-fuse", **nofuse)
     lo.add_argument("-o", "--output")
     lo.set_defaults(fn=cmd_lower)
 
@@ -387,6 +392,7 @@ def build_parser() -> "argparse.ArgumentParser":
     g.add_argument("--policy", **pol)
     g.add_argument("--capture", **cap)
     g.add_argument("--kernels", **kern)
+    g.add_argument("--no-fuse", **nofuse)
     g.add_argument("--captured", action="store_true", help="draw the CUDA graph as captured (needs a GPU)")
     g.set_defaults(fn=cmd_graph)
 
@@ -398,6 +404,7 @@ def build_parser() -> "argparse.ArgumentParser":
     t.add_argument("--policy", **pol)
     t.add_argument("--capture", **cap)
     t.add_argument("--kernels", **kern)
+    t.add_argument("--no-fuse", **nofuse)
     t.set_defaults(fn=cmd_trace)
 
     r = sub.add_parser("run", help="train: the main job")
@@ -406,6 +413,7 @@ def build_parser() -> "argparse.ArgumentParser":
     r.add_argument("--policy", **pol)
     r.add_argument("--capture", **cap)
     r.add_argument("--kernels", **kern)
+    r.add_argument("--no-fuse", **nofuse)
     r.add_argument("--epochs", type=int)
     r.add_argument("--steps", type=int, help="stop after this many steps")
     r.add_argument("--lr", type=float, help="constant learning rate (overrides the schedule)")

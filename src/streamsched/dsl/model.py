@@ -100,10 +100,13 @@ class _ModelExpander:
                 calls.append(self.call(st, fwd, len(calls)))
                 self.block_types(st)
                 # `after` on model lines names model values: tasks answer to their value's name
+                opname = st.call.func.id
+                placed = st.clauses.on is not None or opname in self.scope.places or \
+                    any(k.startswith(opname + ".") for k in self.scope.places)
                 for i in range(first, len(fwd)):
                     path = st.path or (("", st.targets[0].id, st.clauses.tail),)
                     site = replace(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail,
-                                   line_path=path)
+                                   line_path=path, placed=placed or (fwd[i].site or Site()).placed)
                     fwd[i] = replace(fwd[i], stmt=st.targets[0].id, site=site)
                 self.eval_form(calls[-1], fwd[first:])
                 deps: list[int] = []

@@ -106,6 +106,9 @@ class Site:
     derived: bool = False
     op_afters: tuple[AfterClause, ...] = ()
     g_afters: tuple[AfterClause, ...] = ()
+    placed: bool = False
+    """The user chose the task's stream (an `on` on its line or statement, or a `place`): the
+    fusion pass never moves it to another stream."""
     line_path: tuple = ()
     """Where the task's model line sits, outermost first: (scope, the name an `after` uses in that
     scope, the insertion point on that statement); one entry for a line of the model, more for a

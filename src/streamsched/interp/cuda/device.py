@@ -94,6 +94,8 @@ class DeviceContext:
         self.workspaces: dict[str, Any] = {}
         self.handles: dict[str, int] = {}
         self._consts: dict[tuple[str, float], Any] = {}
+        self.lt_handles: dict[str, int] = {}
+        self.lt_workspaces: dict[str, Any] = {}
         self._tf32 = tf32
         self._closed = False
 
@@ -164,6 +166,22 @@ class DeviceContext:
                 raise
             self.workspaces[s] = ws
             self.handles[s] = h
+
+    def lt_handle(self, s: str) -> tuple[int, int, int]:
+        """(cuBLASLt handle, workspace pointer, workspace bytes) of stream `s`, created on first use
+        (nvmath-python's cublasLt bindings; ImportError when they are missing).  A cuBLASLt call
+        takes its stream and workspace per call, so the handle is the stream's own only by
+        convention; create it outside any capture (the twins that use it do, when they are bound)."""
+        h = self.lt_handles.get(s)
+        if h is None:
+            from nvmath.bindings import cublasLt as lt
+
+            self.stream(s)  # a known stream
+            h = lt.create()
+            self.lt_workspaces[s] = self.cp.empty((self.workspace_bytes,), dtype=self.cp.uint8)
+            self.lt_handles[s] = h
+        ws = self.lt_workspaces[s]
+        return h, int(ws.data.ptr), self.workspace_bytes
 
     def _const(self, dtype: str, value: float) -> int:
         """Host pointer to a constant alpha/beta kept alive by the context (host pointer mode:
@@ -282,6 +300,15 @@ class DeviceContext:
                     except Exception:  # pragma: no cover
                         pass
             self.handles.clear()
+            if self.lt_handles:
+                from nvmath.bindings import cublasLt as lt
+
+                for h in self.lt_handles.values():
+                    try:
+                        lt.destroy(h)
+                    except Exception:  # pragma: no cover
+                        pass
+            self.lt_handles.clear()
 
 
 def _is_device(x) -> bool:

@@ -280,6 +280,12 @@ class CudaExecutor:
                 fn, host, capturable = self.resident.twin(g), False, True
             except Exception as exc:
                 raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=t, phase="bind") from exc
+        prepare = getattr(fn, "prepare", None)
+        if prepare is not None and not host:  # device tables a twin reads (multi_tensor): built before any capture
+            try:
+                prepare(self.ctx, t.stream, ins, outs, attrs)
+            except Exception as exc:
+                raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=t, phase="bind") from exc
         return _Bound(t, fn, attrs, ins, outs, host, capturable)
 
     # -- eager issue --------------------------------------------------------------------------

@@ -47,13 +47,13 @@ COLOURS = {
 
 
 def category(kernel: str) -> str:
-    if kernel == "matmul":
+    if kernel in ("matmul", "gemm_bias_relu", "gemm_bias_gelu"):
         return "gemm"
     if kernel in ("sum", "mean"):
         return "reduce"
     if kernel in ("h2d", "d2h", "copy"):
         return "copy"
-    if kernel in ("sgd_step", "adam_step", "increment"):
+    if kernel in ("sgd_step", "adam_step", "increment", "multi_tensor"):
         return "optimizer"
     if kernel in ("fill", "alloc"):
         return "fill"

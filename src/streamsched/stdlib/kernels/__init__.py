@@ -17,6 +17,7 @@ and its row of docs/kernels.md (`DocRow`).
     transformer      embedding pos_embedding layernorm softmax attn_scores attn_apply and their
                      gradients; adamw_step grad_sumsq clip_scale scale_grad
     collectives      allreduce_mean (data-parallel ranks: CPU simulated, NCCL on the GPU)
+    multi_tensor     multi_tensor (one launch for many per-parameter tasks: the fusion pass's)
 
 `_base` (dtypes, type-rule and NumPy helpers, `Family`) and `_cuda` (what the CUDA twins share)
 are imported by the family modules, never the other way round, and no family imports another;
@@ -33,7 +34,9 @@ from typing import Any, Callable, Sequence
 
 from streamsched.stdlib.kernel_record import GradRecipe, Kernel, KernelTypeError, TensorType
 from streamsched.stdlib.kernels import (collectives, conv, dropout, elementwise, gemm, loss, mixed_precision,
-                                        normalization, optimizers, pooling, reductions, transfers, transformer)
+                                        multi_tensor, normalization, optimizers, pooling, reductions, transfers,
+                                        transformer)
+from streamsched.stdlib.kernels import _base
 from streamsched.stdlib.kernels._base import FLOATS, INTS, NUMERIC, Family, numpy_dtype
 
 __all__ = ["KERNELS", "FAMILIES", "NOT_IN_PLACE", "RECIPES", "CNN_KERNELS", "CUDA_KERNELS", "kernel", "infer_types",
@@ -42,7 +45,7 @@ __all__ = ["KERNELS", "FAMILIES", "NOT_IN_PLACE", "RECIPES", "CNN_KERNELS", "CUD
 FAMILIES: tuple[Family, ...] = (gemm.FAMILY, elementwise.FAMILY, reductions.FAMILY, conv.FAMILY,
                                 pooling.FAMILY, normalization.FAMILY, dropout.FAMILY, loss.FAMILY,
                                 optimizers.FAMILY, mixed_precision.FAMILY, transfers.FAMILY, transformer.FAMILY,
-                                collectives.FAMILY)
+                                collectives.FAMILY, multi_tensor.FAMILY)
 """Every family module's records, in the order of docs/kernels.md's table."""
 
 
@@ -58,6 +61,7 @@ def _table(families: Sequence[Family]) -> dict[str, Kernel]:
 
 
 KERNELS: dict[str, Kernel] = _table(FAMILIES)
+_base.STDLIB.update(KERNELS)
 """Kernel name -> record, family by family (the order of docs/kernels.md)."""
 
 NOT_IN_PLACE: tuple[str, ...] = tuple(n for n, k in KERNELS.items() if not k.inplace)

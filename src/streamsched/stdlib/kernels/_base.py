@@ -301,6 +301,12 @@ def dp_rank() -> tuple[int, int]:
     return _DP_PROCESS["rank"], _DP_PROCESS["size"]
 
 
+STDLIB: dict[str, Kernel] = {}
+"""The stdlib's whole kernel table, filled by the package (`stdlib/kernels/__init__.py`) once its
+families are joined: the one way a family reaches another's records (multi_tensor runs them)
+without importing it."""
+
+
 class Family:
     """The records one family module registers, in registration order (the order of its rows in
     docs/kernels.md).  module: the family module's `__name__` (where `Kernel.cuda` points);

@@ -104,6 +104,34 @@ precision), logits: [n, c] float, labels: [n] i32/i64 (or any shape of n labels,
                      "dloss (softmax(logits) - onehot(labels)) / n"))
 
 
+def _xent_fused_infer(k, names, t, at):
+    dt = _xent_check(k, names, t, 0, 1)
+    _scalar(k, t, names, 2)
+    return [((), _loss_dtype(dt)), (t[0][0], dt)]
+
+
+def _xent_fused_cpu(ins, outs, at):
+    logits, labels, dloss = ins
+    dloss = np.array(dloss, copy=True)  # read before the loss is written (an output may be its storage)
+    loss = np.empty_like(outs[0])
+    _xent_cpu([logits, labels], [loss], at)  # the loss first: dlogits may be the logits' storage
+    _xent_grad_cpu([dloss, logits, labels], [outs[1]], at)
+    _write(outs[0], loss)
+
+
+_register("softmax_xent_fused", "logits labels dloss", "loss dlogits", _xent_fused_infer, _xent_fused_cpu,
+          doc="""
+softmax_xent and softmax_xent_grad in one task: loss = softmax_xent(logits, labels), dlogits =
+softmax_xent_grad(dloss, logits, labels), each row's softmax computed once.  Made by the fusion
+pass where the gradient task follows the loss task on one stream (`--no-fuse` keeps them apart),
+never written.  dloss: [] float device scalar (1, or the loss scale), read when the kernel runs
+(it must not be the loss itself).  CPU: the two NumPy twins in order (bitwise the unfused pair);
+CUDA: one kernel writes each row's loss and its gradient row, one block takes the mean.
+""", inplace=False,
+          row=DocRow("logits [n,c], labels [n] or [b,t], dloss [] -> loss [], dlogits [n,c]", "comp1",
+                     "softmax_xent and softmax_xent_grad from one softmax per row (made by the fusion pass)"))
+
+
 # ============================================================================================
 # CUDA twins, `<kernel>_cuda(ctx, stream, ins, outs, attrs)`: what each record's `cuda` names.
 # CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
@@ -175,6 +203,30 @@ extern "C" __global__ void ss_xent_mean(const double* rowloss, D_t* loss, int n)
         __syncthreads();
     }
     if (t == 0) loss[0] = (D_t)(A_t)(part[0] / n);
+}
+
+// The loss rows and the gradient together (softmax_xent_fused): one pass of row statistics, then
+// rowloss[i] (lane 0 of the group) and dlogits row i; the mean is ss_xent_mean's.
+extern "C" __global__ void ss_xent_fwdbwd(const T_t* logits, const L_t* labels, const D_t* dloss,
+                                          double* rowloss, T_t* dlogits, int n, int c, int g, int lg) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = t >> lg;
+    int sub = (int)(t & (long long)(g - 1));
+    bool ok = i < n;
+    long long y = ok ? (long long)labels[i] : 0;
+    const T_t* row = logits + (ok ? i : 0) * (long long)c;
+    A_t mx, lse;
+    ss_row_stats(row, c, sub, g, ok, mx, lse);
+    if (!ok) return;
+    bool bad = y < 0 || y >= c;
+    if (sub == 0) rowloss[i] = bad ? (double)CUDART_NAN : (double)(lse - ((A_t)row[y] - mx));
+    A_t scale = (A_t)dloss[0] / (A_t)n;
+    T_t* drow = dlogits + i * (long long)c;
+    for (int j = sub; j < c; j += g) {
+        A_t p = ss_exp((A_t)row[j] - mx - lse);
+        if (j == y) p -= (A_t)1;
+        drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
+    }
 }
 
 // dlogits = dloss * (softmax(z) - onehot(label)) / n; g lanes per row, softmax recomputed.
@@ -302,3 +354,28 @@ def softmax_xent_grad_cuda(ctx, stream, ins, outs, attrs):
     with _stream(ctx, stream):
         f(((threads + 127) // 128,), (128,),
           (dloss, logits, labels, outs[0], np.int32(n), np.int32(c), np.int32(g), np.int32(lg)))
+
+
+def softmax_xent_fused_cuda(ctx, stream, ins, outs, attrs):
+    """Two kernels for the pair: ss_xent_fwdbwd (each row's loss into scratch and its gradient
+    row), then ss_xent_mean; the unfused twins one after the other when the loss and dloss
+    dtypes differ."""
+    import numpy as np
+
+    logits, labels, dloss = ins
+    out, dlogits = outs
+    if out.dtype != dloss.dtype:
+        softmax_xent_cuda(ctx, stream, [logits, labels], [out], attrs)
+        softmax_xent_grad_cuda(ctx, stream, [dloss, logits, labels], [dlogits], attrs)
+        return
+    n, c = logits.shape
+    f = _function("xent", logits.dtype, labels.dtype, "ss_xent_fwdbwd", out.dtype)
+    mean_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_mean", out.dtype)
+    g, lg = _row_group(c)
+    rows = _xent_rows(out, n, _cupy_stream(ctx, stream))
+    threads = n * g
+    fin = min(1024, max(32, _pow2_at_least(n)))
+    with _stream(ctx, stream):
+        f(((threads + 127) // 128,), (128,),
+          (logits, labels, dloss, rows, dlogits, np.int32(n), np.int32(c), np.int32(g), np.int32(lg)))
+        mean_fn((1,), (fin,), (rows, out, np.int32(n)))

@@ -1,0 +1,329 @@
+"""The fusion pass: a task-level rewrite of an unrolled Schedule, before dependency analysis, that
+turns each run of per-parameter tasks of one kernel (an optimizer call's updates, `clear
+grad(m)`'s fills, the inf/NaN checks) on one stream into one `multi_tensor` task, so the checker
+proves the plan that runs (a fused task reads and writes the union of what its parts do).
+
+Which tasks fuse (the general rule, for any file): a maximal run of tasks *adjacent in issue
+order* (no task of any stream between them), of one kernel of `multi_tensor.FUSIBLE` taken from
+the stdlib (not a user kernel of the same name), on one device stream, in one capture unit, step
+and step statement, with equal attributes (fill: equal value; its shape and dtype are per part),
+the same shared device scalars (lr, t, scale, found_inf), and per-parameter tensors that share no
+byte with another part's.  Adjacency makes the rewrite safe: every edge goes forward in issue
+order, so no path can leave the run and come back into it, and merging it cannot make a cycle;
+disjointness makes the parts' order inside the launch immaterial.
+
+Pairs: a `softmax_xent(logits, labels) -> loss` task followed at once (adjacent, one stream, unit,
+step and launch) by `softmax_xent_grad(dloss, logits, labels) -> dlogits` on the same logits and
+labels becomes one `softmax_xent_fused(logits, labels, dloss) -> (loss, dlogits)` task, when dloss
+shares no byte with the loss (the gradient's seed is not the value the first task writes) and
+dlogits none with logits, labels or the loss.
+
+GEMM epilogues: `matmul(x, w) -> t` (no transposes), `add(t, b) -> h` (b a vector of w's columns)
+and `relu(h) -> y` or `gelu(h) -> y`, adjacent in issue order in one unit, step and launch, become
+one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on the GEMM's stream,
+when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
+backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
+their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
+the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
+same with its region-level batched updates on the update stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from dataclasses import replace
+
+from streamsched.interp.ir import HOST, Schedule, Task
+from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
+
+
+def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
+    """The schedule with every fusible run of tasks (module docstring) replaced by one
+    `multi_tensor` task (kernel "multi_tensor", args/outs the parts' in order, attrs `base` and
+    `parts` = ((nin, nout, attrs), ...)); ids renumbered to stay the task index, `after` clauses
+    remapped (a clause between two parts of one run is dropped: the launch runs its parts in
+    order).  kernels: the program's kernel table (a name that is not the stdlib's own record is
+    never fused).  Returns `schedule` itself when nothing fuses."""
+    from streamsched.stdlib.kernels import KERNELS
+
+    bufs = schedule.buffer_map()
+    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
+                       one_stream=schedule.policy == "explicit")
+    groups: list[list[Task]] = []
+    held: _Held | None = None  # the bytes and names the last group's parts own (for _joins)
+    for t in tasks:
+        g = groups[-1] if groups else None
+        if g is not None and held is not None and _joins(g, t, bufs, held):
+            g.append(t)
+            held.add(_own(t)[1], bufs)
+        else:
+            groups.append([t])
+            held = _Held()
+            held.add(_own(t)[1] if t.kernel in FUSIBLE else [], bufs)
+    if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
+                                       for g in groups):
+        return schedule
+    out: list[Task] = []
+    new_id: dict[int, int] = {}
+    for g in groups:
+        if len(g) >= max(2, min_parts) and _fusible(g[0], kernels, KERNELS):
+            nid = len(out)
+            for t in g:
+                new_id[t.id] = nid
+            out.append(_merge(g, nid))
+        else:
+            for t in g:
+                new_id[t.id] = len(out)
+                out.append(replace(t, id=len(out)))
+    fixed = []
+    for t in out:
+        after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
+        after = tuple(a for a in after if a != t.id)
+        fixed.append(replace(t, after=after) if after != t.after else t)
+    return replace(schedule, tasks=tuple(fixed))
+
+
+_PAIR = ("softmax_xent", "softmax_xent_grad", "softmax_xent_fused")
+
+
+def _pairs(tasks, bufs, kernels, stdlib):
+    """`tasks` with every fusible softmax_xent / softmax_xent_grad pair (module docstring) made one
+    softmax_xent_fused task that keeps the first's id; the second's id is mapped to it through
+    the `after` of the tasks that name it.  `tasks` itself when there is none."""
+    first, second, fused = _PAIR
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _PAIR):
+        return tasks
+    out, gone = [], {}
+    i = 0
+    while i < len(tasks):
+        t = tasks[i]
+        u = tasks[i + 1] if i + 1 < len(tasks) else None
+        if u is not None and t.kernel == first and u.kernel == second and t.stream == u.stream != HOST \
+                and (t.unit, t.step, t.slot, t.launch) == (u.unit, u.step, u.slot, u.launch) \
+                and len(t.args) == 2 and len(u.args) == 3 and tuple(u.args[1:]) == tuple(t.args) \
+                and _apart(bufs, u.args[0], t.outs[0]) \
+                and all(_apart(bufs, u.outs[0], n) for n in (t.args[0], t.args[1], t.outs[0], u.args[0])):
+            gone[u.id] = t.id
+            out.append(replace(t, kernel=fused, args=(t.args[0], t.args[1], u.args[0]),
+                               outs=(t.outs[0], u.outs[0]), attrs=(), after=tuple(dict.fromkeys(t.after + u.after)),
+                               key="fuse(" + t.key + "|" + u.key + ")",
+                               label=f"{t.label} + {u.label}" if t.label and u.label else t.label))
+            i += 2
+        else:
+            out.append(t)
+            i += 1
+    if not gone:
+        return tasks
+    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+                 else t for t in out)
+
+
+_EPI = {"relu": "gemm_bias_relu", "gelu": "gemm_bias_gelu"}
+
+
+def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
+    """`tasks` with every matmul -> add -> relu|gelu run (module docstring) made one
+    gemm_bias_relu / gemm_bias_gelu task keeping the matmul's id (the others' ids mapped to it in
+    every `after`); `tasks` itself when there is none.  "No other reader" counts the same work in
+    the other unrolled steps as fused too: the candidates are found first, then dropped until
+    every reader of a dropped intermediate is itself a fused part (a fixed point)."""
+    names = ("matmul", "add") + tuple(_EPI) + tuple(_EPI.values())
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in names):
+        return tasks
+    bufs = {b.name: b for b in buffers}
+    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3)
+    for i in range(len(tasks) - 2):
+        t1, t2, t3 = tasks[i], tasks[i + 1], tasks[i + 2]
+        if t1.kernel != "matmul" or any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
+            continue
+        if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
+            continue
+        if one_stream and not t1.stream == t2.stream == t3.stream:
+            continue  # explicit: the user orders streams; a missing `after` between them stays an R001
+        if t3.stream != t1.stream and t3.site is not None and t3.site.placed:
+            continue  # the user put the activation on its stream: fusing would move it to the GEMM's
+        if HOST in (t1.stream, t2.stream, t3.stream) or len(t2.args) != 2 or t2.args[0] != t1.outs[0] \
+                or t3.args != t2.outs:
+            continue
+        m, bias = t1.outs[0], t2.args[1]
+        bm, bb = bufs.get(m), bufs.get(bias)
+        if bm is None or bb is None or len(bm.shape) != 2 or bb.shape != bm.shape[1:]:
+            continue
+        if not all(_apart(bufs, o, a) for o in t3.outs + t2.outs for a in t1.args + (bias,)):
+            continue
+        cand[i] = (t1, t2, t3)
+    if not cand:
+        return tasks
+    readers: dict[str, set[int]] = {}
+    for t in tasks:
+        for a in t.args:
+            readers.setdefault(a, set()).add(t.id)
+
+    # buffers by space, sorted by offset, for the overlap query (a scan of every buffer per
+    # candidate made the pass quadratic in the model's depth)
+    by_space: dict[str, list] = {}
+    for o in buffers:
+        if o.nbytes:
+            by_space.setdefault(o.space, []).append((o.offset, o.offset + o.nbytes, o.name))
+    starts: dict[str, list[int]] = {}
+    longest: dict[str, int] = {}
+    for sp, lst in by_space.items():
+        lst.sort()
+        starts[sp] = [x[0] for x in lst]
+        longest[sp] = max(x[1] - x[0] for x in lst)
+
+    def readers_of(name: str) -> set[int]:
+        b = bufs[name]
+        r: set[int] = set(readers.get(name, ()))
+        if not b.nbytes or b.space not in by_space:
+            return r
+        lst, st = by_space[b.space], starts[b.space]
+        lo, hi = b.offset, b.offset + b.nbytes
+        j = bisect.bisect_left(st, hi) - 1  # buffers starting before b's end, walked back
+        while j >= 0 and st[j] + longest[b.space] > lo:
+            if lst[j][1] > lo:
+                r |= readers.get(lst[j][2], set())
+            j -= 1
+        return r
+
+    need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2].kernel == "relu" else set())
+            for i, c in cand.items()}
+    while True:
+        t2s = {c[1].id for c in cand.values()}
+        t3s = {c[2].id for c in cand.values()}
+        bad = [i for i in cand if not (need[i][0] <= t2s and need[i][1] <= t3s)]
+        if not bad:
+            break
+        for i in bad:
+            del cand[i]
+    if not cand:
+        return tasks
+    out, gone = [], {}
+    i = 0
+    while i < len(tasks):
+        if i in cand:
+            t1, t2, t3 = cand[i]
+            gone[t2.id] = gone[t3.id] = t1.id
+            outs = (t2.outs[0],) + t3.outs if t3.kernel == "gelu" else t3.outs
+            out.append(replace(t1, kernel=_EPI[t3.kernel], args=t1.args + (t2.args[1],), outs=outs, attrs=(),
+                               after=tuple(dict.fromkeys(t1.after + t2.after + t3.after)),
+                               key="fuse(" + "|".join(u.key for u in (t1, t2, t3)) + ")",
+                               label=f"{t1.label} +{t3.kernel}" if t1.label else t1.label))
+            i += 3
+        else:
+            out.append(tasks[i])
+            i += 1
+    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+                 else t for t in out)
+
+
+def _apart(bufs, a: str, b: str) -> bool:
+    if a == b:
+        return False
+    ba, bb = bufs.get(a), bufs.get(b)
+    return ba is None or bb is None or not ba.overlaps(bb)
+
+
+def _fusible(t: Task, kernels, stdlib) -> bool:
+    if t.kernel not in FUSIBLE or t.stream == HOST:
+        return False
+    return kernels is None or kernels.get(t.kernel) is stdlib.get(t.kernel)
+
+
+def _plain_attrs(t: Task) -> tuple:
+    drop = ("shape", "dtype") if t.kernel == "fill" else ()
+    return tuple(sorted((k, v) for k, v in t.attrs if k not in drop))
+
+
+def _own(t: Task) -> tuple[list[str], list[str]]:
+    """(shared names, the part's own tensor names) of task t of a FUSIBLE kernel."""
+    si, so = FUSIBLE[t.kernel]
+    shared = [t.args[i] for i in si if i < len(t.args)] + [t.outs[i] for i in so if i < len(t.outs)]
+    own = [a for i, a in enumerate(t.args) if i not in si] + [o for i, o in enumerate(t.outs) if i not in so]
+    return shared, own
+
+
+class _Held:
+    """The names and byte ranges the parts of one growing group own: ranges per space sorted by
+    start, so that a new part's overlap test is a bisection, not a scan of every part (a
+    700-parameter optimizer call made the scan quadratic).  While the held ranges are disjoint
+    (parts never share bytes; only one part's own tensors could), the range starting last
+    before b's end is the only one that can reach b; otherwise every range is tested."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.starts: dict[str, list[int]] = {}
+        self.ends: dict[str, list[int]] = {}
+        self.disjoint = True
+
+    def add(self, names, bufs) -> None:
+        for n in names:
+            if n in self.names:
+                continue  # (a part's tensor read and written: one range)
+            self.names.add(n)
+            b = bufs.get(n)
+            if b is None or b.nbytes == 0:
+                continue
+            if self.disjoint and self.hits(b):
+                self.disjoint = False
+            st, en = self.starts.setdefault(b.space, []), self.ends.setdefault(b.space, [])
+            i = bisect.bisect_left(st, b.offset)
+            st.insert(i, b.offset)
+            en.insert(i, b.offset + b.nbytes)
+
+    def hits(self, b) -> bool:
+        """Whether buffer b shares a byte with a held range."""
+        if b.nbytes == 0:
+            return False
+        st, en = self.starts.get(b.space), self.ends.get(b.space)
+        if not st:
+            return False
+        lo, hi = b.offset, b.offset + b.nbytes
+        if not self.disjoint:
+            return any(s < hi and lo < e for s, e in zip(st, en))
+        i = bisect.bisect_left(st, hi)  # ranges 0..i-1 start before b's end
+        return i > 0 and en[i - 1] > lo
+
+
+def _joins(g: list[Task], t: Task, bufs, held: "_Held | None" = None) -> bool:
+    first = g[0]
+    if t.kernel != first.kernel or t.kernel not in FUSIBLE or t.stream != first.stream or t.stream == HOST:
+        return False
+    if (t.unit, t.step, t.slot, t.launch) != (first.unit, first.step, first.slot, first.launch):
+        return False
+    if len(t.args) != len(first.args) or len(t.outs) != len(first.outs):
+        return False
+    if _plain_attrs(t) != _plain_attrs(first):
+        return False
+    shared, own = _own(t)
+    fshared, _ = _own(first)
+    if shared != fshared:
+        return False
+    mine = [bufs[n] for n in own if n in bufs]
+    for b in mine:
+        for s in shared:
+            if s in bufs and b.overlaps(bufs[s]):
+                return False
+    if held is not None:
+        return not any(n in held.names for n in own) and not any(held.hits(b) for b in mine)
+    for p in g:
+        _, pown = _own(p)
+        for n in pown:
+            if n in bufs:
+                pb = bufs[n]
+                if any(b.overlaps(pb) or b.name == pb.name for b in mine):
+                    return False
+    return True
+
+
+def _merge(g: list[Task], nid: int) -> Task:
+    first = g[0]
+    parts = tuple((len(t.args), len(t.outs), t.attrs) for t in g)
+    args = tuple(a for t in g for a in t.args)
+    outs = tuple(o for t in g for o in t.outs)
+    after = tuple(dict.fromkeys(a for t in g for a in t.after))
+    label = f"{first.label} +{len(g) - 1} fused" if first.label else f"{first.kernel} x{len(g)}"
+    key = "fuse(" + "|".join(t.key for t in g) + ")"
+    return replace(first, id=nid, kernel="multi_tensor", args=args, outs=outs,
+                   attrs=(("base", first.kernel), ("parts", parts)), after=after, key=key, label=label)

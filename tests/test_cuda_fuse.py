@@ -1,0 +1,308 @@
+"""The multi_tensor CUDA twin (stdlib/kernels/multi_tensor.py) against its NumPy twin (the parts'
+NumPy twins in order) and against the parts' own CUDA twins, for every base kernel it fuses, tensors
+of awkward sizes (1, a chunk exactly, a chunk and one, 0); the fused and unfused plans of the
+examples trained on the GPU; and a captured fused step that replays without memory nodes.
+Tolerance (stated): f32 results within 2 ulp-ish, rtol 2e-6 / atol 1e-7 per step, against the
+NumPy twin (the multi-tensor kernels are built with FMA contraction off, as the CNN kernels are;
+the ElementwiseKernel twins of sgd/adam/adamw contract, so they may differ from NumPy by an ulp);
+f64 rtol 1e-13; grad_sumsq's total rtol 1e-6 (a different, fixed, summation tree).
+Needs CuPy and a GPU; skips itself otherwise (`pytest -m cuda`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from streamsched.stdlib.kernels import KERNELS
+
+pytestmark = pytest.mark.cuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = [(1,), (4096,), (4097,), (33, 65), (0,), (784, 31)]
+_rng = np.random.default_rng(7)
+
+
+def _f(shape, dt=np.float32, scale=1.0, pos=False):
+    a = _rng.standard_normal(shape) * scale
+    return np.asarray(np.abs(a) + 0.1 if pos else a, dtype=dt)
+
+
+def _s(v, dt=np.float32):
+    return np.array(v, dt).reshape(())
+
+
+def _parts(base, dt):
+    """[(ins, outs index map)] of one part per SIZES entry: inputs as NumPy arrays; outs given as
+    indices of the inputs they update in place (shared scalars are one array for every part)."""
+    lr, t = _s(0.05), _s(3.0)
+    scale, found = _s(1024.0), _s(0.0)
+    acc, clip = _s(0.25), _s(0.375)
+    res = []
+    for shp in SIZES:
+        if base == "sgd_step":
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), lr], (0, 2)))
+        elif base in ("adam_step", "adamw_step"):
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), _f(shp, dt, pos=True), lr, t], (0, 2, 3)))
+        elif base == "lars_step":
+            res.append(([_f(shp, dt), _f(shp, dt), _f(shp, dt), lr], (0, 2)))
+        elif base in ("amp_sgd_step", "amp_lars_step"):
+            res.append(([_f(shp, np.float16), _f(shp, np.float16, 100.0), _f(shp), _f(shp), lr, scale, found],
+                        (0, 2, 3)))
+        elif base == "fill":
+            res.append(([], ()))
+        elif base == "nonfinite_check":
+            res.append(([_f(shp, dt), found], (1,)))
+        elif base == "grad_sumsq":
+            res.append(([_f(shp, dt), acc], (1,)))
+        elif base == "scale_grad":
+            res.append(([_f(shp, dt), clip], (0,)))
+    return res
+
+
+ATTRS = {"sgd_step": {"momentum": 0.9, "weight_decay": 0.01, "nesterov": True},
+         "adam_step": {"weight_decay": 0.01}, "adamw_step": {"weight_decay": 0.1, "beta2": 0.99},
+         "lars_step": {}, "amp_sgd_step": {"momentum": 0.9, "weight_decay": 1e-4}, "amp_lars_step": {},
+         "fill": {"value": 0.0}, "nonfinite_check": {}, "grad_sumsq": {}, "scale_grad": {}}
+CASES = [(b, np.float32) for b in ATTRS] + [("sgd_step", np.float64), ("adamw_step", np.float64)]
+
+
+def _run(cp, ctx, base, dt, fused: bool, nonfinite_at: int | None = None):
+    """Host copies of every part's outputs after one fused (or unfused) launch on the device."""
+    from streamsched.stdlib.kernels.multi_tensor import multi_tensor_cuda, multi_tensor_prepare
+    from streamsched.stdlib.kernels import cuda_twin
+
+    global _rng
+    _rng = np.random.default_rng(7)
+    parts = _parts(base, dt)
+    dev: dict[int, object] = {}
+
+    def d(a):
+        if id(a) not in dev:
+            dev[id(a)] = cp.asarray(a)
+        return dev[id(a)]
+
+    ins, outs, pat = [], [], []
+    for k, (pins, upd) in enumerate(parts):
+        if nonfinite_at is not None and k == nonfinite_at and pins[0].size:
+            pins[0].reshape(-1)[-1] = np.inf
+        di = [d(a) for a in pins]
+        if base == "fill":
+            shp = SIZES[k]
+            do = [cp.full(shp, 7.0, dt)]
+            at = {"value": 0.0, "shape": shp, "dtype": "f32" if dt == np.float32 else "f64"}
+        else:
+            do = [di[i] for i in upd]
+            at = ATTRS[base]
+        ins += di
+        outs += do
+        pat.append((len(di), len(do), tuple(at.items())))
+    rec = KERNELS["multi_tensor"]
+    attrs = {**rec.attrs, "base": base, "parts": tuple(pat)}
+    if fused:
+        multi_tensor_prepare(ctx, "s0", ins, outs, attrs)
+        multi_tensor_cuda(ctx, "s0", ins, outs, attrs)
+    else:
+        fn = cuda_twin(KERNELS[base])
+        i = o = 0
+        for nin, nout, at in pat:
+            fn(ctx, "s0", ins[i:i + nin], outs[o:o + nout], {**KERNELS[base].attrs, **dict(at)})
+            i, o = i + nin, o + nout
+    ctx.stream("s0").synchronize()
+    return [cp.asnumpy(a) for a in outs], parts, pat
+
+
+def _cpu(base, dt, nonfinite_at=None):
+    global _rng
+    _rng = np.random.default_rng(7)
+    parts = _parts(base, dt)
+    ins, outs, pat = [], [], []
+    for k, (pins, upd) in enumerate(parts):
+        if nonfinite_at is not None and k == nonfinite_at and pins[0].size:
+            pins[0].reshape(-1)[-1] = np.inf
+        if base == "fill":
+            shp = SIZES[k]
+            po = [np.full(shp, 7.0, dt)]
+            at = {"value": 0.0, "shape": shp, "dtype": "f32" if dt == np.float32 else "f64"}
+        else:
+            po = [pins[i] for i in upd]
+            at = ATTRS[base]
+        ins += pins
+        outs += po
+        pat.append((len(pins), len(po), tuple(at.items())))
+    KERNELS["multi_tensor"].cpu(ins, outs, {"base": base, "parts": tuple(pat)})
+    return outs
+
+
+def _close(got, want, base, dt):
+    rtol = 1e-13 if dt == np.float64 else (1e-6 if base == "grad_sumsq" else 2e-6)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol,
+                                   atol=0 if dt == np.float64 else 1e-7)
+
+
+@pytest.mark.parametrize("base,dt", CASES, ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+def test_multi_tensor_cuda_matches_the_numpy_twin_and_the_unfused_twins(cp, ctx, base, dt):
+    want = _cpu(base, dt)
+    got, _, _ = _run(cp, ctx, base, dt, fused=True)
+    _close(got, want, base, dt)
+    unfused, _, _ = _run(cp, ctx, base, dt, fused=False)
+    _close(got, unfused, base, dt)
+
+
+@pytest.mark.parametrize("base", ["nonfinite_check", "amp_sgd_step"])
+def test_an_inf_in_one_part_is_seen(cp, ctx, base):
+    if base == "nonfinite_check":
+        got, _, _ = _run(cp, ctx, base, np.float32, fused=True, nonfinite_at=3)
+        assert float(got[-1]) == 1.0
+        assert float(_cpu(base, np.float32, nonfinite_at=3)[-1]) == 1.0
+    else:
+        global _rng
+        _rng = np.random.default_rng(7)
+        parts = _parts(base, np.float32)
+        parts[0][0][6][...] = 1.0  # found_inf set: every part skipped
+        before = [a.copy() for p, _ in parts for a in p]
+        ins = [cp.asarray(a) for p, _ in parts for a in p]
+        # shared scalars: the first part's arrays stand for all
+        n = 7
+        for k in range(1, len(parts)):
+            for j in (4, 5, 6):
+                ins[k * n + j] = ins[j]
+        outs = [ins[k * n + j] for k in range(len(parts)) for j in (0, 2, 3)]
+        from streamsched.stdlib.kernels.multi_tensor import multi_tensor_cuda, multi_tensor_prepare
+
+        pat = tuple((7, 3, tuple(ATTRS[base].items())) for _ in parts)
+        at = {"base": base, "parts": pat}
+        multi_tensor_prepare(ctx, "s0", ins, outs, at)
+        multi_tensor_cuda(ctx, "s0", ins, outs, at)
+        ctx.stream("s0").synchronize()
+        for k in range(len(parts)):
+            for j in (0, 2, 3):
+                assert cp.asnumpy(ins[k * n + j]).tobytes() == before[k * n + j].tobytes()
+
+
+@pytest.mark.parametrize("example", ["mlp_digits.sched", "resnet_digits_amp.sched", "resnet_lars.sched",
+                                     "gpt_text.sched"])
+def test_fused_and_unfused_steps_train_alike_on_the_gpu(cp, example):
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    path = os.path.join(ROOT, "examples", example)
+    res = {}
+    for fuse in (True, False):
+        c = compile_file(path, fuse=fuse)
+        assert c.ok and (c.fused > 0) == fuse
+        res[fuse] = train(c, TrainOptions(backend="cuda", max_steps=10, progress=False),
+                          base_dir=os.path.join(ROOT, "examples"))
+    a, b = res[True], res[False]
+    assert a.backend == b.backend == "cuda" and a.steps == b.steps == 10
+    # SGD and LARS: 1e-5 of the largest |value| (cuBLASLt's GEMM and the FMA-free update kernels
+    # round differently from cuBLAS and the ElementwiseKernel twins); AdamW divides by sqrt(v), so a
+    # gradient near zero can take a step of lr either way: 2e-3 (lr 3e-3 at most ten times)
+    tol = 2e-3 if example == "gpt_text.sched" else 1e-5
+    for n in b.params:
+        x, y = a.params[n].astype(np.float64), b.params[n].astype(np.float64)
+        scale = max(1.0, float(np.max(np.abs(y)))) if y.size else 1.0
+        assert float(np.max(np.abs(x - y), initial=0.0)) <= tol * scale, n
+
+
+def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):
+    from streamsched.interp.cuda import CudaExecutor, graph_nodes_edges
+    from streamsched.pipeline import compile_file
+
+    c = compile_file(os.path.join(ROOT, "examples", "mlp_digits.sched"), capture="step")
+    assert c.fused > 0
+    ex = CudaExecutor(c.schedule, c.plan, c.program.kernels, capture="step")
+    try:
+        n_multi = 0
+        for uid in {u.id for u in c.schedule.units}:
+            types, _ = graph_nodes_edges(ex.graph_of(uid))
+            assert "MemAlloc" not in types and "MemFree" not in types, types
+        for t in c.schedule.tasks:
+            n_multi += t.kernel == "multi_tensor"
+        assert n_multi >= 2 * c.schedule.steps  # the clear and the update of every step
+        ex.run()
+        ex.synchronize()
+        ex.run()
+        ex.synchronize()
+    finally:
+        ex.close()
+
+
+XENT = [((128, 10), (128,), np.float32), ((1024, 256), (16, 64), np.float32), ((64, 10), (64,), np.float16),
+        ((7, 1000), (7,), np.float64), ((33, 37), (3, 11), np.float32)]
+
+
+@pytest.mark.parametrize("shape,lshape,dt", XENT, ids=lambda v: str(v))
+def test_softmax_xent_fused_matches_the_numpy_twin_and_the_unfused_pair(cp, ctx, shape, lshape, dt):
+    """Loss and dlogits of the fused kernel against the NumPy twin (the pair's NumPy twins) within
+    rtol 1e-6 (f32), 1e-12 (f64), 2e-3 (f16 logits, f32 loss), and against the unfused CUDA twins
+    bitwise (same row statistics, same mean kernel)."""
+    from streamsched.stdlib.kernels.loss import (softmax_xent_cuda, softmax_xent_fused_cuda,
+                                                 softmax_xent_grad_cuda)
+
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(shape) * 3).astype(dt)
+    labels = rng.integers(0, shape[1], lshape).astype(np.int32)
+    ldt = np.float32 if dt == np.float16 else dt
+    dloss = np.array(0.75 if dt != np.float16 else 1024.0, ldt)
+    want_loss, want_d = np.empty((), ldt), np.empty(shape, dt)
+    KERNELS["softmax_xent_fused"].cpu([logits, labels, dloss], [want_loss, want_d], {})
+    L, Y, D = cp.asarray(logits), cp.asarray(labels), cp.asarray(dloss)
+    loss, dl = cp.empty((), ldt), cp.empty(shape, dt)
+    softmax_xent_fused_cuda(ctx, "s0", [L, Y, D], [loss, dl], {})
+    loss2, dl2 = cp.empty((), ldt), cp.empty(shape, dt)
+    softmax_xent_cuda(ctx, "s0", [L, Y], [loss2], {})
+    softmax_xent_grad_cuda(ctx, "s0", [D, L, Y], [dl2], {})
+    ctx.stream("s0").synchronize()
+    rtol = {np.float32: 1e-6, np.float64: 1e-12, np.float16: 2e-3}[dt]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=rtol)
+    np.testing.assert_allclose(cp.asnumpy(dl).astype(np.float64), want_d.astype(np.float64), rtol=rtol,
+                               atol=rtol * float(np.abs(want_d).max()))
+    assert cp.asnumpy(loss).tobytes() == cp.asnumpy(loss2).tobytes()
+    assert cp.asnumpy(dl).tobytes() == cp.asnumpy(dl2).tobytes()
+
+
+GEMMS = [(128, 784, 1024), (2048, 1024, 1024), (128, 1024, 10), (1024, 64, 256), (5, 3, 8)]
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("m,k,n", GEMMS, ids=str)
+def test_gemm_epilogue_matches_the_numpy_twin_and_the_unfused_kernels(cp, ctx, act, m, k, n):
+    """gemm_bias_relu / gemm_bias_gelu through cuBLASLt (or its unfused fallback, said once on
+    stderr) against the NumPy twin: f32, rtol 1e-5 of the largest |value| (the GEMM's summation
+    order differs from NumPy's, and cuBLASLt's GELU is the tanh form in its own arithmetic); the
+    GELU's aux output (the pre-activation) too."""
+    from streamsched.stdlib.kernels.gemm import _LT_PLANS, gemm_bias_gelu_cuda, gemm_bias_relu_cuda
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    name = f"gemm_bias_{act}"
+    want = [np.empty((m, n), np.float32) for _ in KERNELS[name].outputs]
+    KERNELS[name].cpu([x, w, b], want, {})
+    X, W, B = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+    outs = [cp.zeros((m, n), cp.float32) for _ in want]
+    fn = gemm_bias_relu_cuda if act == "relu" else gemm_bias_gelu_cuda
+    fn.prepare(ctx, "s0", [X, W, B], outs, {})
+    fn(ctx, "s0", [X, W, B], outs, {})
+    fn(ctx, "s0", [X, W, B], outs, {})  # twice: the plan is reused, the result the same
+    ctx.stream("s0").synchronize()
+    for g, wv in zip(outs, want):
+        got = cp.asnumpy(g)
+        np.testing.assert_allclose(got, wv, rtol=0, atol=1e-5 * max(1.0, float(np.abs(wv).max())))
+    plan = next((p for kk, p in _LT_PLANS.items() if kk[1] == act and kk[4] == (k, n) and kk[3] == (m, k)), None)
+    print(f"{name} {m}x{k}x{n}: {'cuBLASLt' if plan else 'unfused fallback'}")
+
+
+def test_gemm_epilogues_run_through_cublaslt_on_the_h200(cp, ctx):
+    """On the H200 the f32 cases of the MLP and GPT steps are cuBLASLt launches, not the fallback."""
+    from streamsched.stdlib.kernels.gemm import _lt_plan
+
+    for act, (m, k, n) in (("relu", (128, 784, 1024)), ("gelu", (1024, 64, 256))):
+        X, W, B = cp.zeros((m, k), cp.float32), cp.zeros((k, n), cp.float32), cp.zeros((n,), cp.float32)
+        outs = [cp.zeros((m, n), cp.float32) for _ in (range(2) if act == "gelu" else range(1))]
+        assert _lt_plan(ctx, "s0", [X, W, B], outs, act) is not None, act
