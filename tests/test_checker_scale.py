@@ -113,6 +113,6 @@ def test_a_deep_model_compiles_in_linear_time_and_memory() -> None:
         figures.append((tasks, cpu, rss))
     (n1, t1, m1), (n2, t2, m2) = figures
     assert n2 > 3.5 * n1
-    assert t2 / n2 < 2.0 * t1 / n1, figures  # near-linear: per-task time does not grow
+    assert t2 / n2 < 3.0 * t1 / n1, figures  # near-linear: a quadratic pass would make it 4x (CI shares cores)
     assert t2 < 6.0, figures                 # ~0.7 s of CPU on an idle core today
     assert m2 < 250, figures                 # ~100 MB today
