@@ -70,7 +70,8 @@ def test_allreduce_is_captured_where_the_plan_says(nccl):
                 assert "Kernel" in {kind[n] for n in mine}, {kind[n] for n in mine}
                 writers = [t.id for t in tasks if t.id in in_unit and t.id < a and set(t.outs) & set(ta.outs)
                            and t.kernel != "allreduce_mean"]
-                readers = [t.id for t in tasks if t.id in in_unit and t.id > a and t.kernel == "sgd_step"
+                readers = [t.id for t in tasks if t.id in in_unit and t.id > a
+                           and (t.kernel == "sgd_step" or t.attr("base") == "sgd_step")  # fused: multi_tensor
                            and set(t.args) & set(ta.outs)]
                 assert writers and readers, ta.label
                 for w in writers:
