@@ -164,7 +164,7 @@ def test_write_captured_dot(gpu, tmp_path):
     from streamsched.interp.cuda.capture_dot import write_captured_dot
     from streamsched.pipeline import compile_file
 
-    c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"), capture="step")
+    c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"), capture="step", fuse=False)  # named kernels
     out = os.path.join(str(tmp_path), "captured.dot")
     text = write_captured_dot(c, out)
     with open(out, encoding="utf-8") as f:
@@ -257,5 +257,6 @@ def test_composed_and_tied_gpt_on_cuda_follow_the_cpu(gpu, tmp_path, variant):
     # lr-sized steps of either sign; those biases are compared by the loss they leave alone)
     worst = {n: rel_diff(cuda.params[n], cpu.params[n]) for n in cpu.params
              if not re.search(r"(^|\.)k\d*\.b$", n)}
-    assert len(worst) >= len(cpu.params) - 4 and max(worst.values()) <= 1e-3, worst
+    # (the biases and their AdamW moments: 3 arrays per layer)
+    assert "tok.table" in worst and len(worst) >= len(cpu.params) - 6 and max(worst.values()) <= 1e-3, worst
     assert abs(cpu.history[0]["train_loss"] - cuda.history[0]["train_loss"]) <= 1e-3 * abs(cpu.history[0]["train_loss"])
