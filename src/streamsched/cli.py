@@ -365,8 +365,8 @@ def build_parser() -> "argparse.ArgumentParser":
                 help="import kernels written in Python from MODULE (package.module, or an entry point of "
                      "streamsched.kernels); may be repeated")
 
-    nofuse = dict(action="store_true", help="plan every per-parameter task as its own launch (no multi-tensor "
-                                            "fusion), for comparison")
+    nofuse = dict(action="store_true", help="plan every task as written (no fusion: no multi-tensor launches, "
+                                            "fused cross-entropy or GEMM epilogues), for comparison")
 
     c = sub.add_parser("check", help="parse, resolve and prove a schedule race-free")
     c.add_argument("files", nargs="+")
