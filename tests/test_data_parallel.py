@@ -85,7 +85,12 @@ def test_n_ranks_at_b_equal_one_rank_at_n_times_b(tmp_path, mlp_one_rank, n):
         assert _worst(got, init, params) > 1e-2
 
 
-def test_without_the_allreduce_the_ranks_are_not_one_rank(tmp_path, mlp_one_rank):
+def test_without_the_allreduce_the_ranks_are_not_one_rank(tmp_path, mlp_one_rank, monkeypatch):
+    """(The all-reduce is what makes N ranks one: with `run`'s X004 for a step that reduces
+    nothing turned off, the replicas train apart.)"""
+    from streamsched.interp.training.loop import Run
+
+    monkeypatch.setattr(Run, "check_ranks_reduce", lambda self: None)
     text = re.sub(r"^\s*reduce\b.*\n", "", _mlp_f64(32), flags=re.M)
     text = re.sub(r"^graph reduce .*\n", "", text, flags=re.M)
     got = _params(tmp_path, text, "noreduce.sched", 2)
@@ -471,3 +476,29 @@ def test_cli_devices_on_the_cpu_simulates_the_ranks(tmp_path):
                           "--backend", "cpu", "--steps", "1", "-q"], capture_output=True, text=True,
                          env=dict(env, WORLD_SIZE="2", RANK="5"), cwd=str(tmp_path), timeout=300)
     assert bad.returncode == 1 and "X004" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ranks_without_an_allreduce_are_refused_and_the_help_is_the_fix(tmp_path):
+    """`--devices 2` on a step that all-reduces nothing would train replicas apart: X004, and the
+    graph and launch its help names make the file train data parallel."""
+    import re
+
+    from streamsched.diagnostics import StreamschedError
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp_digits.sched")
+    c = compile_file(src)
+    with pytest.raises(StreamschedError) as ei:
+        train(c, TrainOptions(backend="cpu", devices=2, max_steps=2, progress=False), base_dir=os.path.dirname(src))
+    (d,) = ei.value.diagnostics
+    assert d.code == "X004" and "all-reduces nothing" in d.message
+    graph = re.search(r"`(graph reduce on update \{[^`]*\})`", d.help).group(1)
+    text = open(src, encoding="utf-8").read().replace("graph optimize", graph + "\ngraph optimize", 1)
+    text = re.sub(r"(\n\s*)optimize\b", r"\1reduce\1optimize", text, count=1)
+    fixed = tmp_path / "dp.sched"
+    fixed.write_text(text)
+    c2 = compile_file(str(fixed))
+    assert c2.ok, c2.diagnostics
+    r = train(c2, TrainOptions(backend="cpu", devices=2, max_steps=2, progress=False), base_dir=os.path.dirname(src))
+    assert r.steps == 2

@@ -267,6 +267,7 @@ class Run:
         self.t_start = time.perf_counter()
         self.ck.load()
         self.rank, self.world = dp_place(opts)
+        self.check_ranks_reduce()
         dp = self.dp = DataPath(self.program, self.data, self.data_base, self.spans, self.seed, opts.data_limit,
                                 world=self.world, rank=self.rank)
         self.ds, self.spe, self.classes = dp.ds, dp.spe, dp.classes
@@ -334,6 +335,18 @@ class Run:
             self.end_epoch(e)
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
+
+    def check_ranks_reduce(self) -> None:
+        """X004 for data-parallel ranks on a step that all-reduces nothing: the replicas would
+        train apart, each on its shard, and rank 0's would pass for the run's."""
+        if self.world > 1 and not any(t.kernel == "allreduce_mean" or t.attr("base") == "allreduce_mean"
+                                      for t in self.c.schedule.tasks):
+            m = self.program.model.name if self.program.model is not None else "M"
+            raise _x("X004", f"{self.world} data-parallel ranks, but the step all-reduces nothing: each rank would "
+                     "train its own replica on its shard, apart from the others",
+                     help=f"all-reduce the gradients before the optimizer: add `graph reduce on update "
+                          f"{{ allreduce(grad({m})) }}` and launch `reduce` in the step before the optimizer "
+                          "(docs/language.md, \"Data parallel\"), or run without --devices")
 
     def upload_order(self, e: int) -> None:
         """Device-resident data: the order of this run's epoch e (from 0), when the run has it."""
