@@ -34,7 +34,7 @@ import bisect
 
 from dataclasses import replace
 
-from streamsched.interp.ir import HOST, Schedule, Task
+from streamsched.interp.ir import HOST, Schedule, Task, evolve
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
 
@@ -75,12 +75,12 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         else:
             for t in g:
                 new_id[t.id] = len(out)
-                out.append(replace(t, id=len(out)))
+                out.append(evolve(t, id=len(out)))
     fixed = []
     for t in out:
         after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
         after = tuple(a for a in after if a != t.id)
-        fixed.append(replace(t, after=after) if after != t.after else t)
+        fixed.append(evolve(t, after=after) if after != t.after else t)
     return replace(schedule, tasks=tuple(fixed))
 
 
@@ -105,7 +105,7 @@ def _pairs(tasks, bufs, kernels, stdlib):
                 and _apart(bufs, u.args[0], t.outs[0]) \
                 and all(_apart(bufs, u.outs[0], n) for n in (t.args[0], t.args[1], t.outs[0], u.args[0])):
             gone[u.id] = t.id
-            out.append(replace(t, kernel=fused, args=(t.args[0], t.args[1], u.args[0]),
+            out.append(evolve(t, kernel=fused, args=(t.args[0], t.args[1], u.args[0]),
                                outs=(t.outs[0], u.outs[0]), attrs=(), after=tuple(dict.fromkeys(t.after + u.after)),
                                key="fuse(" + t.key + "|" + u.key + ")",
                                label=f"{t.label} + {u.label}" if t.label and u.label else t.label))
@@ -115,7 +115,7 @@ def _pairs(tasks, bufs, kernels, stdlib):
             i += 1
     if not gone:
         return tasks
-    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
                  else t for t in out)
 
 
@@ -206,7 +206,7 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
             t1, t2, t3 = cand[i]
             gone[t2.id] = gone[t3.id] = t1.id
             outs = (t2.outs[0],) + t3.outs if t3.kernel == "gelu" else t3.outs
-            out.append(replace(t1, kernel=_EPI[t3.kernel], args=t1.args + (t2.args[1],), outs=outs, attrs=(),
+            out.append(evolve(t1, kernel=_EPI[t3.kernel], args=t1.args + (t2.args[1],), outs=outs, attrs=(),
                                after=tuple(dict.fromkeys(t1.after + t2.after + t3.after)),
                                key="fuse(" + "|".join(u.key for u in (t1, t2, t3)) + ")",
                                label=f"{t1.label} +{t3.kernel}" if t1.label else t1.label))
@@ -214,7 +214,7 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         else:
             out.append(tasks[i])
             i += 1
-    return tuple(replace(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
                  else t for t in out)
 
 
@@ -325,5 +325,5 @@ def _merge(g: list[Task], nid: int) -> Task:
     after = tuple(dict.fromkeys(a for t in g for a in t.after))
     label = f"{first.label} +{len(g) - 1} fused" if first.label else f"{first.kernel} x{len(g)}"
     key = "fuse(" + "|".join(t.key for t in g) + ")"
-    return replace(first, id=nid, kernel="multi_tensor", args=args, outs=outs,
+    return evolve(first, id=nid, kernel="multi_tensor", args=args, outs=outs,
                    attrs=(("base", first.kernel), ("parts", parts)), after=after, key=key, label=label)
