@@ -463,3 +463,23 @@ def test_same_shaped_dropout_sites_draw_different_masks(tmp_path):
     assert ma.shape == mb.shape == (4, 6) and not np.array_equal(ma, mb)
     again = compile_file(str(p))  # the same program, the same masks
     assert {t.attr("seed") for t in again.schedule.tasks if t.kernel == "dropout"} == set(seeds.values())
+
+
+def test_resume_weights_errors_name_their_own_flag(tmp_path):
+    """A bad checkpoint given to --resume-weights is X007 whose help names --resume-weights (the
+    checks are --resume's, whose help would send the user to the wrong flag)."""
+    import os
+
+    from streamsched.diagnostics import StreamschedError
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a checkpoint")
+    c = compile_file(os.path.join(root, "examples", "mlp_digits.sched"))
+    with pytest.raises(StreamschedError) as ei:
+        train(c, TrainOptions(backend="cpu", resume_weights=str(bad), max_steps=1, progress=False),
+              base_dir=os.path.join(root, "examples"))
+    (d,) = ei.value.diagnostics
+    assert d.code == "X007" and "--resume-weights" in d.help and "without --resume," not in d.help

@@ -10,8 +10,10 @@ numbered their last epoch from 0; they are read and converted.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 from typing import Any
 
 import numpy as np
@@ -120,13 +122,17 @@ def load_weights(path: str, program, layout: dict, limit: int | None) -> tuple[d
     """The parameters of `program`'s model from the checkpoint `path` (`--resume-weights`):
     every parameter must be there with its shape and dtype; the checkpoint's other arrays
     (optimizer state, statistics, another head...) are left out.  Returns (name -> array, meta).
-    Raises StreamschedError X007 (X014 over the limit)."""
-    arrays, meta = load_checkpoint(path, limit=limit)
-    params = [b.name for b in program.buffers if b.kind == "param" and b.name in layout]
-    want = {n: layout[n] for n in params}
-    got = {n: a for n, a in arrays.items() if n in want}
-    check_arrays(got, want, path)
-    check_finite_arrays(got, path)
+    Raises StreamschedError X007 (X014 over the limit), its help naming --resume-weights."""
+    try:
+        arrays, meta = load_checkpoint(path, limit=limit)
+        params = [b.name for b in program.buffers if b.kind == "param" and b.name in layout]
+        want = {n: layout[n] for n in params}
+        got = {n: a for n, a in arrays.items() if n in want}
+        check_arrays(got, want, path)
+        check_finite_arrays(got, path)
+    except StreamschedError as e:  # the checks are --resume's: their help names the flag given
+        raise StreamschedError([dc_replace(d, help=re.sub(r"--resume\b(?!-)", "--resume-weights", d.help or ""))
+                                for d in e.diagnostics]) from None
     return got, meta
 
 
