@@ -301,3 +301,10 @@ def test_a_block_of_kernel_named_ops_is_a_block_or_an_op_and_repeats(tmp_path):
     res = "op res(h) -> out on comp1 {\n    a = relu(h)\n    out = add(h, a)\n}\n"
     c = compile_file(_model(res, "    h = linear(x, 16)\n    z = repeat 2 res(h)\n", tmp_path, "r.sched"))
     assert c.ok, c.diagnostics
+
+
+def test_place_the_output_line_of_the_last_instance(tmp_path):
+    """`place a2 on S`: the line that makes `a2`, the last instance's output (instance 1's is `a2.1`)."""
+    c = compile_file(write(tmp_path, BLOCKS + "place a2 on comp2\n", "out.sched"), fuse=False)
+    relu = {t.label.split(": ")[-1]: t.stream for t in c.schedule.tasks if t.step == 0 and t.kernel == "relu"}
+    assert relu["relu@a2.y"] == "comp2" and relu["relu@a2.1.y"] == relu["relu@a1.y"] == "comp3"

@@ -168,7 +168,10 @@ class Streams:
 def check_places(scope: Scope, streams: Streams) -> None:
     """`place OP on S` and `place OP.STMT on S` must name an op (and one of its statements)
     and a declared stream; a placement that matches nothing would silently do nothing."""
+    from streamsched.dsl.compose import composite_ops
+
     fail = scope.sink.fail
+    blocks = composite_ops(scope)
     for target, pl in scope.places.items():
         try:
             streams.stream(pl.stream, stdlib=False)
@@ -179,7 +182,8 @@ def check_places(scope: Scope, streams: Streams) -> None:
             if (op is None or stmt not in {t.id for st in op.body for t in st.targets}) and \
                     derived_place_ok(scope, target):
                 continue  # the backward derived for an op without one, or one of its statements
-            if op is None and "." in target and target.split(".")[0] not in scope.ops:
+            if op is None and target.split(".")[0] not in scope.ops and ("." in target or blocks):
+                # one line of a block instance (`h.2.k`), or a block call's output line (`h`)
                 scope.line_places[target] = pl  # maybe one line of a block instance: compose decides
                 continue
             if op is None:
