@@ -51,7 +51,7 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
     for c in calls:
         for n in c.params:
             tied_uses[c.bind[n]] = tied_uses.get(c.bind[n], 0) + 1
-    tied_partials: dict[str, list[tuple[str, object]]] = {}
+    tied_partials: dict[str, list[str]] = {}
     seed = SEED
     buffers.add(seed, (), buffers.btype(loss)[1], "const", init="ones")
     partials: dict[str, list[str]] = {loss: [seed]}
@@ -76,12 +76,7 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
                 gname = ps[0]
             else:
                 stream = streams.placed(bop.name, streams.stream(bop.stream, bop.name in scope.stdlib_ops))
-                acc = ps[0]
-                for i, p in enumerate(ps[1:]):
-                    dst = gname if i == len(ps) - 2 else f"{gname}.sum{i}"
-                    sums = Lowering(stream=stream, rep=stream, op_id=op_id, label=f"sum@{c.bind[o]}", out=bwd)
-                    lower.emit(sums, "accumulate", (acc, p), (dst,), (), "", c.span, kind="grad")
-                    acc = dst
+                _sum_partials(lower, bwd, ps, gname, gname, stream, op_id, f"sum@{c.bind[o]}", c.span)
             bind["d" + o] = gname
         produced = {od.name.id[1:] for od in bop.outs if od.name.id.startswith("d")}
         for x in c.inputs + c.params:
@@ -102,7 +97,7 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
             if x in c.params and tied_uses.get(buf, 1) > 1:
                 lst = tied_partials.setdefault(buf, [])
                 target = f"{grad_name(buf)}#{len(lst) + 1}"
-                lst.append((target, bop))
+                lst.append(target)
             elif x in c.params:
                 target = f"grad.{buf}"
             else:
@@ -137,12 +132,7 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
                 shp, dt = buffers.btype(buf)
                 buffers.add(f"grad.{buf}", shp, dt, "grad")
                 stream = streams.placed(bop.name, streams.stream(bop.stream, bop.name in scope.stdlib_ops))
-                acc = parts[0][0]
-                for i, (p, _) in enumerate(parts[1:]):
-                    dst = f"grad.{buf}" if i == len(parts) - 2 else f"{grad_name(buf)}.sum{i}"
-                    sums = Lowering(stream=stream, rep=stream, op_id=op_id, label=f"sum@{buf}", out=bwd)
-                    lower.emit(sums, "accumulate", (acc, p), (dst,), (), "", c.span, kind="grad")
-                    acc = dst
+                _sum_partials(lower, bwd, parts, f"grad.{buf}", grad_name(buf), stream, op_id, f"sum@{buf}", c.span)
     for c in calls:
         for pn in c.params:
             if f"grad.{c.bind[pn]}" not in buffers.buffers:
@@ -150,3 +140,16 @@ def derive_backward(scope: Scope, buffers: Buffers, streams: Streams, lower: Low
                      f"does not reach the loss", c.span,
                      help="use its result on the way to the loss, or remove the line")
     return bwd
+
+
+def _sum_partials(lower: Lowerer, bwd: list[TaskTemplate], parts: list[str], dst: str, tmp: str, stream: str,
+                  op_id: int, label: str, span) -> None:
+    """Emit into `bwd` the chain of `accumulate` tasks summing the partial gradients `parts` (at
+    least two buffer names, in backward order) into `dst`, the running sums in `tmp.sum0`, ...,
+    on `stream`: a value used by several lines, or a parameter tied into several."""
+    acc = parts[0]
+    for i, p in enumerate(parts[1:]):
+        out = dst if i == len(parts) - 2 else f"{tmp}.sum{i}"
+        sums = Lowering(stream=stream, rep=stream, op_id=op_id, label=label, out=bwd)
+        lower.emit(sums, "accumulate", (acc, p), (out,), (), "", span, kind="grad")
+        acc = out

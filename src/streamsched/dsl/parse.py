@@ -276,13 +276,11 @@ class _ToAst(Transformer):
             return t.id, t.span
         return str(t), Span(self.path, t.line, t.column, t.end_line, t.end_column)
 
-    def seg_name(self, ch):
+    def seg_name(self, ch):  # `.k` (and, as seg_num, `.2`)
         t, sp = self._seg(ch[0])
         return ("." + t, sp)
 
-    def seg_num(self, ch):
-        t, sp = self._seg(ch[0])
-        return ("." + t, sp)
+    seg_num = seg_name
 
     def seg_glued(self, ch):
         return self._seg(ch[0])
