@@ -6,15 +6,16 @@ PyTorch user writes it.
                                   [--torch mlp_digits,resnet_digits] [--epochs N] [--data-on host,device]
 
 For each streamsched model (an example file, trained as `streamsched run` trains it, on the CUDA
-backend, in this process), once per data mode (`--data-on`: the first mode's figures at the top
-level of the row, each other mode's under `<mode>_data`, e.g. `device_data`):
+backend, in this process), once per mode (`--data-on`: the first mode's figures at the top level of
+the row, each other mode's under `<mode>_data`, e.g. `device_data`, `device_step_data`):
   data_on           where the training set was: host (staged into pinned slots every step) or
                     device (uploaded once, each batch gathered on the GPU by the step itself)
   eval_on           where the test split was evaluated (device: one captured graph per batch)
-  run_us_per_step   the loop's steady-state wall time per training step: every epoch but the
-                    first, from its first step's issue to the one read of its losses (which waits
-                    for the device); evaluation and checkpoints excluded (TrainResult.epoch_steps)
+  run_us_per_step   the loop's steady-state wall time per training step: from the first issue of
+                    the second epoch to the read of the last epoch's end, every epoch boundary
+                    included, the evaluation's device time taken out (TrainResult.steady)
   cpu_us_per_step   host CPU time (time.process_time, every thread) per step over the same span
+  epoch_launches    epochs that ran as one launch of the epoch graph (mode `device`)
   eval_s            seconds spent evaluating, all epochs
   first_step_s      seconds from compile_file to the first step (compile, data, backend, capture)
   run_wall_s        the whole run: first step to the end (TrainResult.wall_s); train_call_s: the
@@ -52,14 +53,19 @@ sys.path.insert(0, HERE)
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _ss_run(c, epochs: int | None, data_on: str) -> dict:
-    """One `streamsched run` of compiled `c` on the CUDA backend with `--data-on data_on`."""
+def _ss_run(c, epochs: int | None, mode: str) -> dict:
+    """One `streamsched run` of compiled `c` on the CUDA backend: mode `host` (--data-on host),
+    `device` (--data-on device: whole epochs in one launch where the driver can) or
+    `device-step` (--data-on device --epoch-launch step)."""
     from streamsched.interp.train import TrainOptions, train
 
+    data_on, launch = (mode.split("-") + ["auto"])[:2]
+    notes: list[str] = []
     t0 = time.perf_counter()
-    res = train(c, TrainOptions(backend="cuda", epochs=epochs, progress=False, data_on=data_on), base_dir=EXAMPLES,
-                echo=lambda s: None)
-    return {"data_on": res.data_on, "eval_on": res.eval_on,
+    res = train(c, TrainOptions(backend="cuda", epochs=epochs, progress=False, data_on=data_on, epoch_launch=launch),
+                base_dir=EXAMPLES, echo=notes.append)
+    return {"data_on": res.data_on, "eval_on": res.eval_on, "epoch_launch": launch,
+            "epoch_launches": res.epoch_launches, "notes": notes,
             "run_us_per_step": round(res.steady_us_per_step, 1),
             "cpu_us_per_step": round(res.steady_cpu_us_per_step, 1),
             "eval_s": round(res.eval_s, 3), "first_step_s": round(res.first_step_s, 3),
@@ -87,7 +93,7 @@ def run_streamsched(name: str, epochs: int | None, data_modes=("host", "device")
         if i == 0:
             out.update(row)
         else:
-            out[f"{mode}_data"] = row
+            out[f"{mode.replace('-', '_')}_data"] = row
     from streamsched.interp.data import load_dataset
     from streamsched.interp.train import _call, _fit_samples, _input_names
     from streamsched.dsl.resolve import CallValue
@@ -241,8 +247,9 @@ def main() -> None:
     ap.add_argument("--models", default="mlp_digits,seed_step")
     ap.add_argument("--torch", default="mlp_digits,resnet_digits")
     ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--data-on", default="host,device",
-                    help="streamsched's data modes, the first one at the top level of each row (default host,device)")
+    ap.add_argument("--data-on", default="host,device,device-step",
+                    help="streamsched's modes, the first one at the top level of each row: host, device (whole "
+                         "epochs in one launch), device-step (device data, steps launched one by one)")
     args = ap.parse_args()
     modes = tuple(m for m in args.data_on.split(",") if m)
     out: dict = {}

@@ -316,8 +316,8 @@ def test_an_interrupt_prints_the_checkpoint_and_the_exact_resume_command(tmp_pat
 
     real = train_mod._Run.end_epoch
 
-    def stop_in_epoch_3(self, e):
-        real(self, e)
+    def stop_in_epoch_3(self, e, *rest):
+        real(self, e, *rest)
         if e == 1:
             raise KeyboardInterrupt
 

@@ -206,8 +206,8 @@ def test_f25_an_interrupt_says_which_epochs_of_this_run_are_lost(proj, capsys, m
 
     real = train_mod._Run.end_epoch
 
-    def stop_after_epoch_3(self, e):
-        real(self, e)
+    def stop_after_epoch_3(self, e, *rest):
+        real(self, e, *rest)
         if e == 2:
             raise KeyboardInterrupt
 
@@ -478,8 +478,8 @@ def test_f22_a_file_put_on_the_checkpoint_or_log_during_the_run_is_kept(proj, ca
     real = train_mod._Run.end_epoch
     target = {}
 
-    def copy_over(self, e):
-        real(self, e)
+    def copy_over(self, e, *rest):
+        real(self, e, *rest)
         if e == 0:  # after epoch 1, the user copies a file over the output, in place
             shutil.copyfile(root / "tiny.sched", root / target["name"])
 
@@ -499,8 +499,8 @@ def test_f22_a_deleted_log_is_made_anew_and_a_deleted_folder_is_x021(proj, capsy
 
     real = train_mod._Run.end_epoch
 
-    def delete(self, e):
-        real(self, e)
+    def delete(self, e, *rest):
+        real(self, e, *rest)
         if e == 0:
             shutil.rmtree(root / "out") if (root / "out" / "gone").exists() else os.unlink(root / "out" / "run.jsonl")
 

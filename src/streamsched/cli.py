@@ -253,7 +253,7 @@ def cmd_run(args) -> int:
                             interleave=args.interleave, interleave_seed=args.interleave_seed, log=args.log,
                             save=args.save, resume=args.resume, resume_weights=args.resume_weights,
                             overwrite=args.overwrite,
-                            data_on=args.data_on,
+                            data_on=args.data_on, epoch_launch=args.epoch_launch,
                             max_steps=args.steps, progress=not args.quiet, threads=args.threads,
                             data_limit=args.data_limit, protect=_includes(sources, args.file),
                             argv=tuple(args.argv), devices=devices)
@@ -425,6 +425,10 @@ def build_parser() -> "argparse.ArgumentParser":
                    help="where the training set lives on the CUDA backend: device (uploaded once, each batch "
                         "gathered on the GPU, no host work per step), host (staged every step), auto (device when "
                         "it fits a quarter of the free GPU memory)")
+    r.add_argument("--epoch-launch", choices=["auto", "step"], default="auto",
+                   help="CUDA backend with device-resident data: auto runs each whole epoch as one launch (the "
+                        "captured steps in a CUDA conditional WHILE node, CUDA 12.4+), step launches the steps one "
+                        "by one")
     r.add_argument("--devices", type=int, metavar="N",
                    help="data parallel over N ranks: one process per GPU on this machine (NCCL_NVLS_ENABLE=0 in "
                         "each), or N ranks simulated in this process on the CPU backend")

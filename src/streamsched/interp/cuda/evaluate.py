@@ -278,6 +278,35 @@ class DeviceEvaluator:
                 raise RuntimeError(f"stream {s} is still capturing after the evaluation graph's capture")
         self.graph.upload(home)
 
+    def issue(self, stream, capturing: bool = False) -> None:
+        """The whole evaluation on `stream`, without reading it: the counter reset, one graph
+        launch per batch, the two sums into `out` (f64[2]: loss sum, hits; divide by `total`).
+        capturing: `stream` is being captured (it must be this evaluator's home stream): the
+        batches' work is issued again into that capture instead of launching the graph."""
+        cp = self.cp
+        with stream:
+            self.idx.fill(0)
+        if capturing or self.graph is None:
+            if capturing and stream is not self.home:
+                raise ValueError("an evaluation is captured on its home stream only")
+            hop = stream is not self.home  # eager work runs on home: order it between `stream`'s
+            if hop:
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(stream)
+                self.home.wait_event(ev)
+            with cp.cuda.using_allocator(self.pool.malloc):
+                for _ in range(self.nb):
+                    self._body()
+            if hop:
+                back = cp.cuda.Event(disable_timing=True)
+                back.record(self.home)
+                stream.wait_event(back)
+        else:
+            for _ in range(self.nb):
+                self.graph.launch(stream)
+        with stream:
+            self._sum((1,), (256,), (self.loss_rows, self.hit_rows, np.int64(self.total), self.out))
+
     def __call__(self, runner=None, params=None) -> tuple[float, float]:
         """(mean loss, accuracy) of the current parameters; the training streams must be idle
         (the loop synchronizes before an epoch ends).  One read: the two sums."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -151,6 +152,7 @@ class CudaExecutor:
         self._fork = self.ctx.make_events(1)[0]
         self._join = {s: ev for s, ev in zip(self.ctx.names, self.ctx.make_events(len(self.ctx.names)))}
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
+        self._host_waited = {i.event for i in plan.instrs if i.op == "wait" and i.stream == HOST}
         self.accumulator = None
         if accumulate is not None and accumulate in self.arrays and str(self.arrays[accumulate].dtype) in (
                 "float32", "float64"):  # (the loss is f32 under mixed precision too)
@@ -482,8 +484,25 @@ class CudaExecutor:
         arrays, _ = self._allocate(self.buffers, arenas)
         return [self._bind(t, arrays) for t in self.schedule.tasks]
 
+    def capture_raw(self, cus: Sequence[CapturedUnit]) -> list[CapturedUnit]:
+        """Each unit of `cus` captured again with its `.graph` a raw cudaGraph_t (cuda.bindings;
+        the caller destroys it, and keeps the returned units alive: their pools own the graphs'
+        temporaries): for the epoch graph, which adds them as child graph nodes (cuda/epoch.py)."""
+        ranges = self.unit_ranges()
+        instrs = self.plan.instrs
+        scratch = self._scratch_bound()
+        out = []
+        for cu in cus:
+            b, e = ranges[cu.units[0]]
+            out.append(self._capture(cu.units[0], cu.home, instrs[b + 1:e], scratch, raw=True))
+        self.ctx.synchronize()
+        return out
+
     def _capture(self, uid: int, home_name: str, body: Sequence[Instr],
-                 scratch: list[_Bound]) -> CapturedUnit:
+                 scratch: list[_Bound], raw: bool = False) -> CapturedUnit:
+        """Warm up and capture one unit's body on its home stream, forked to the others and joined
+        back; raw: end with cuda.bindings' cudaStreamEndCapture and return the cudaGraph_t as
+        `.graph` (not instantiated) instead of a cupy.cuda.Graph."""
         cp, ctx = self.cp, self.ctx
         unit = self._unit(uid)
         home = ctx.streams[home_name]
@@ -540,13 +559,32 @@ class CudaExecutor:
             gc_was = gc.isenabled()
             gc.disable()  # pitfall 26: no collection of graphs/arrays in the middle of a capture
             current: Task | None = None
+            # An event the host waits on (the copy that last read a staging slot) is recorded by
+            # the graph itself, where the copy ends (cudaEventRecordExternal), not after the whole
+            # graph: the host stages the next batch while the step's compute still runs (issue 13).
+            # Not with device-resident data (no host waits) nor in a raw capture (a conditional
+            # node's body holds no event nodes).
+            waited_inside = {i.event for i in issue if i.op == "wait"}
+            external = (self._host_waited & recorded) - waited_inside if self.resident is None and not raw else set()
+            if os.environ.get("STREAMSCHED_EXTERNAL_RECORDS", "1") == "0":
+                external = set()
+            from streamsched.interp.cuda.device import check, cudart
+
+            rt = cudart()
             try:
-                home.begin_capture()
+                if raw:
+                    check(rt.cudaStreamBeginCapture(int(home.ptr),
+                                                    rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed),
+                          "cudaStreamBeginCapture")
+                    end_capture = lambda: check(rt.cudaStreamEndCapture(int(home.ptr)), "cudaStreamEndCapture")  # noqa: E731
+                else:
+                    home.begin_capture()
+                    end_capture = home.end_capture
                 try:
                     self._fork.record(home)
                     for s in secondary:
                         ctx.streams[s].wait_event(self._fork)
-                    mapper = _NodeMapper(ctx) if self.map_nodes else None
+                    mapper = _NodeMapper(ctx) if self.map_nodes and not raw else None
                     for ins in issue:
                         if ins.op == "launch":
                             b = self._bound[ins.task]
@@ -560,7 +598,13 @@ class CudaExecutor:
                                 self.accumulator.launch(ctx.streams[b.task.stream])
                             current = None
                         elif ins.op == "record":
-                            self.events[ins.event].record(ctx.streams[ins.stream])
+                            if ins.event in external:  # the host waits on it: a node of the graph
+                                check(rt.cudaEventRecordWithFlags(self.events[ins.event].ptr,
+                                                                  int(ctx.streams[ins.stream].ptr),
+                                                                  rt.cudaEventRecordExternal),
+                                      "cudaEventRecordWithFlags")
+                            else:
+                                self.events[ins.event].record(ctx.streams[ins.stream])
                         else:
                             ctx.streams[ins.stream].wait_event(self.events[ins.event])
                     for s in secondary:  # join every forked stream (pitfall 12)
@@ -568,13 +612,13 @@ class CudaExecutor:
                         home.wait_event(self._join[s])
                 except BaseException as exc:
                     try:
-                        home.end_capture()
+                        end_capture()
                     except Exception:
                         pass
                     raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=current, unit=unit,
                                         phase="capture") from exc
                 try:
-                    graph = home.end_capture()
+                    graph = end_capture()
                 except Exception as exc:
                     raise CudaTaskError(f"end of capture failed: {type(exc).__name__}: {exc}",
                                         unit=unit, phase="capture") from exc
@@ -585,8 +629,9 @@ class CudaExecutor:
             if st.is_capturing():
                 raise CudaTaskError(f"stream {s} is still capturing after the unit's capture",
                                     unit=unit, phase="capture")
-        graph.upload(home)
-        return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(recorded)),
+        if not raw:
+            graph.upload(home)
+        return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(recorded - external)),
                             tuple(tasks), task_nodes=task_nodes, node_task=node_task)
 
     # -- inspection ---------------------------------------------------------------------------

@@ -27,6 +27,8 @@ class CudaRunner:
         self.races: list = []  # the CUDA backend has no run-time detector: the CPU backend is the oracle
         self._loss_tasks = frozenset(t.id for t in compiled.schedule.tasks if self.loss in t.outs)
         self._values: list[float] = []  # per-step losses, only when the device cannot sum them
+        self.ends = None  # cuda.epoch.EpochEnds, once the loop sets them up
+        self.graph = None  # cuda.epoch.EpochGraph: the epoch in one launch
 
     def _wrap(self, fn, *args):
         try:
@@ -52,6 +54,57 @@ class CudaRunner:
         self._wrap(self.ex.synchronize)
         total, steps, bad, value = acc.take(self.ex.ctx.streams[self.ex.ctx.names[0]])
         return EpochLosses(total, steps, bad if bad >= 0 else None, value)
+
+    # -- epoch ends without a host synchronization (cuda/epoch.py) --------------------------
+
+    def setup_epoch_ends(self, check: list[str], saved: list[str], extra: list[str], evaluator=None) -> None:
+        """Allocate the epoch ends (before the first step): `check` the arrays tested for
+        inf/NaN at every end, `saved` what a snapshot copies, `extra` scalars always reported,
+        `evaluator` a DeviceEvaluator run inside an end when asked (else None)."""
+        from streamsched.interp.cuda.epoch import EpochEnds
+
+        self.ends = EpochEnds(self.ex, check, saved, extra, resident=self.resident)
+        if evaluator is not None and getattr(evaluator, "where", "") == "device":
+            self.ends.set_evaluator(evaluator)
+
+    def end_epoch(self, evaluate: bool, snapshot: bool, order=None):
+        """Issue the end of the epoch just issued (no wait): an `epoch.EpochEnd` whose `result()`
+        the loop reads later.  order: the sample order a resident run uploads at this end (the
+        epoch two ends later, `EpochEnds.set_order`), or None."""
+        b = self.ends
+        b.set_order(b.count % 2, order)
+        values, self._values = self._values, []
+        end = self._wrap(b.end, evaluate and b.evaluator is not None, snapshot)
+        end.values = values
+        return end
+
+    def epoch_graph(self, segs, first: int, ends: list[int]):
+        """Build the epoch in one launch (cuda/epoch.EpochGraph) for launches ending at `ends`
+        (loop steps, exclusive), the graph running loop steps from `first` on; raises
+        NotImplementedError (why) where it cannot."""
+        from streamsched.interp.cuda.epoch import EpochGraph, steady_units
+
+        if self.ex.capture != "step" or self.resident is None:
+            raise NotImplementedError("the epoch runs in one launch only with capture = step and "
+                                      "device-resident data")
+        if self.ex.accumulator is None:
+            raise NotImplementedError("the loss is not summed on the device")
+        period = segs.period or 1
+        units, home = steady_units(self.ex, segs, segs.steps - period, period)
+        start = first
+        # slot s of the graph is loop step (segs.steps - period) + s modulo the period
+        g = EpochGraph(self.ex, units, segs.steps - period, ends, home, self.ends)
+        g.loop.set(np.array([start, 0], dtype=np.int32))
+        self.graph = g
+        return g
+
+    def run_epoch(self, evaluate: bool, snapshot: bool, order=None):
+        """One launch of the epoch graph (its steps and its end): an `epoch.EpochEnd`."""
+        b = self.ends
+        b.set_order(b.count % 2, order)
+        end = self._wrap(self.graph.launch, evaluate and b.evaluator is not None, snapshot)
+        end.values = []
+        return end
 
     def device_evaluator(self, program, x: np.ndarray, y: np.ndarray):
         """The test split (x, y) evaluated on the GPU (`cuda.evaluate.DeviceEvaluator`: the eval

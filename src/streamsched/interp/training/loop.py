@@ -303,38 +303,137 @@ class Run:
         self.evaluator = make_evaluator(runner, self.program, self.ds.x_test, self.ds.y_test, self.ck.saved,
                                         self.echo)
         self.result.eval_on = self.evaluator.where
+        setup = getattr(runner, "setup_epoch_ends", None)
+        if setup is not None:  # the CUDA backend: epoch ends on the device, read later
+            saved = list(self.ck.saved)
+            setup(saved, saved, [self.program.loss_scale] if self.program.loss_scale else [], self.evaluator)
         self.done_epoch = self.start_epoch
         self.baseline()
 
     def loop(self, runner) -> None:
+        """The epochs: each one's steps issued (one by one, or as one launch of the epoch graph),
+        then its end issued without waiting (`issue_end`); an end is read (`finish`) as soon as
+        the device has got there (polled after each step), at the latest after the next epoch
+        was issued, so the device never idles at an epoch's end (a lag of at most one epoch;
+        on the CPU every end is ready at once: read before the next epoch starts)."""
         opts, spe = self.opts, self.spe
         segs = self.c.segments or plan_segments(self.c.plan)
         self.cur = -1  # the step (of this run, from 0) whose host work runs
+        self.pending = None
+        graph = self.epoch_graph(runner, segs)  # before any step: its captures reset the gathers
         self.result.first_step_s = time.perf_counter() - self.t_start
         runner.run(segs.for_step(-1), functools.partial(self.host_fn, step=-1))
+        steady = None
         for e in range(self.start_epoch, self.epochs):
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
-            self.epoch_now, self.losses, self.epoch_t0 = e + 1, EpochLosses(), time.perf_counter()
-            self.epoch_c0 = time.process_time()
-            self.epoch_first = self.steps_run  # steps of this run before this epoch
-            if e > self.start_epoch:  # the device is idle: the half of the epoch before takes the next one
-                self.upload_order(e - self.start_epoch + 1)
-            for i in range(spe):
-                if opts.max_steps is not None and self.steps_run >= opts.max_steps:
-                    break
-                k = (e - self.start_epoch) * spe + i
-                self.cur = k
-                runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
-                self.after_step(k)
-            self.losses = runner.epoch_losses()  # the one read of the epoch's losses
-            self.result.epoch_steps.append((len(self.losses), time.perf_counter() - self.epoch_t0))
-            self.result.epoch_cpu_s.append(time.process_time() - self.epoch_c0)
-            self.check_losses(e)
-            runner.sync()
-            self.end_epoch(e)
+            self.epoch_now, self.epoch_t0 = e + 1, time.perf_counter()
+            if e == self.start_epoch + 1:  # the steady state: every epoch but the first
+                steady = (self.epoch_t0, time.process_time(), self.steps_run, self.result.eval_s)
+            first = self.steps_run  # steps of this run before this epoch
+            n = spe if opts.max_steps is None else min(spe, opts.max_steps - self.steps_run)
+            whole = n == spe
+            evaluate, snapshot = self.wants_eval(e, whole), self.wants_params(e, whole)
+            order = self.order_after(e)
+            if graph is not None and whole and first >= graph.first:
+                end = runner.run_epoch(evaluate, snapshot, order)
+                self.steps_run += n
+                self.result.epoch_launches += 1
+                self.progress.update(n)
+            else:
+                for i in range(n):
+                    k = first + i
+                    self.cur = k
+                    runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
+                    self.after_step(k)
+                end = self.issue_end(runner, evaluate, snapshot, order)
+            self.result.epoch_steps.append((n, time.perf_counter() - self.epoch_t0))
+            if self.pending is not None:
+                self.finish()
+            self.pending = (e, first, end, evaluate)
+            if end.ready():
+                self.finish()
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
+        if self.pending is not None:
+            self.finish()
+        if steady is not None and self.steps_run > steady[2]:
+            t0, c0, k0, ev0 = steady
+            self.result.steady = (self.steps_run - k0, time.perf_counter() - t0 - (self.result.eval_s - ev0),
+                                  time.process_time() - c0)
+
+    def wants_eval(self, e: int, whole: bool) -> bool:
+        return ((e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole) and self.rank == 0
+
+    def wants_params(self, e: int, whole: bool) -> bool:
+        """Whether epoch e's end needs the parameters on the host: a checkpoint, or an
+        evaluation in NumPy."""
+        return (self.ck.save is not None and whole) or \
+            (self.wants_eval(e, whole) and getattr(self.evaluator, "where", "host") != "device")
+
+    def order_after(self, e: int):
+        """Device-resident data: the order epoch e's end uploads (this run's epoch two later),
+        or None (`cuda.epoch.EpochEnds.set_order`)."""
+        i = e - self.start_epoch + 2
+        if self.resident is None or i >= self.epochs - self.start_epoch:
+            return None
+        return self.dp.batches.order(self.start_epoch + i)
+
+    def issue_end(self, runner, evaluate: bool, snapshot: bool, order):
+        """The end of the epoch just issued: the runner's own (`end_epoch`, read later) when it
+        has one set up, else `SyncEnd` (read now: the CPU backends)."""
+        if getattr(runner, "ends", None) is not None:
+            return runner.end_epoch(evaluate, snapshot, order)
+        return SyncEnd(runner, self.ck.saved, self.program.loss_scale)
+
+    def epoch_graph(self, runner, segs):
+        """The epoch in one launch (`cuda.epoch.EpochGraph`) when the run can have it: the CUDA
+        backend with device-resident data, capture = step, the loss summed on the device, no
+        --epoch-launch step; else None (a note says why, for a resident run)."""
+        if getattr(runner, "ends", None) is None or self.resident is None or self.opts.epoch_launch == "step":
+            return None
+        spe, n_local = self.spe, self.epochs - self.start_epoch
+        first = (segs.steps - (segs.period or 1)) if segs.period else None
+        if first is None:
+            self.echo("note: the epoch runs step by step: the plan has no steady state")
+            return None
+        ends, keys = [], []
+        for i in range(n_local):
+            k0 = i * spe
+            whole = self.opts.max_steps is None or k0 + spe <= self.opts.max_steps
+            if whole and k0 >= first:
+                e = self.start_epoch + i
+                ends.append(k0 + spe)
+                keys.append((i % 2, self.wants_eval(e, True), self.wants_params(e, True)))
+        if not ends:
+            return None
+        try:
+            g = runner.epoch_graph(segs, ends[0] - spe, ends)
+            g.prepare(dict.fromkeys(keys))
+        except NotImplementedError as exc:
+            self.echo(f"note: the epoch runs step by step: {exc}")
+            return None
+        except Exception as exc:  # a refused capture or instantiation: the steps one by one
+            self.echo(f"note: the epoch runs step by step: the epoch graph failed ({type(exc).__name__}: {exc})")
+            return None
+        g.first = ends[0] - spe
+        return g
+
+    def finish(self) -> None:
+        """Read the pending epoch's end (waiting for it if the device is not there yet), then
+        its losses (X010), its record, checkpoint and log line (`end_epoch`)."""
+        e, first, end, evaluate = self.pending
+        self.pending = None
+        res = end.result()
+        if res.acc is not None:
+            total, steps, bad, value = res.acc
+            losses = EpochLosses(total, steps, bad if bad >= 0 else None, value)
+        else:
+            losses = res.losses if getattr(res, "losses", None) is not None else EpochLosses.of(end.values)
+        self.losses, self.epoch_first = losses, first
+        self.epoch_now = e + 1
+        self.check_losses(e)
+        self.end_epoch(e, res, evaluate)
 
     def check_ranks_reduce(self) -> None:
         """X004 for data-parallel ranks on a step that all-reduces nothing: the replicas would
@@ -369,6 +468,8 @@ class Run:
         bar.  Nothing is read from the device here: the losses are read once per epoch."""
         self.steps_run += 1
         self.progress.update(1)
+        if self.pending is not None and self.pending[2].ready():  # the epoch before: read it now
+            self.finish()
 
     def check_losses(self, e: int) -> None:
         """Stop (X010) when a step of epoch e had a loss that is not finite, naming that step."""
@@ -395,14 +496,15 @@ class Run:
         self.best = min((r["train_loss"] for r in hist if good(r, "train_loss")), default=None)
         self.best_acc = max((r["test_acc"] for r in hist if good(r, "test_acc")), default=None)
 
-    def end_epoch(self, e: int) -> None:
-        """After epoch e (from 0): its record (evaluated on the test split; `partial` when --steps
-        cut it short), the divergence rule, then the checkpoint (whole epochs only) and the log
-        line together, then the per-epoch line."""
+    def end_epoch(self, e: int, res, evaluate: bool) -> None:
+        """After epoch e (from 0), from its end's result `res` (`cuda.epoch.EpochEndResult` or
+        `SyncEnd`'s): its record (evaluated on the test split when `evaluate`; `partial` when
+        --steps cut it short), the divergence rule, then the checkpoint (whole epochs only) and
+        the log line together, then the per-epoch line."""
         program, runner, spe = self.program, self.runner, self.spe
         losses = self.losses
         whole = len(losses) == spe
-        params = {n: runner.read(n) for n in self.ck.saved}  # params and state (running statistics)
+        params = res.params  # params and state (running statistics), when the end copied them
         step = self.base_step + (e - self.start_epoch) * spe + len(losses)
         rec = {"run": self.run_id, "epoch": e + 1, "step": step,
                "train_loss": losses.mean if len(losses) else float("nan"),
@@ -411,18 +513,27 @@ class Run:
         if not whole:  # --steps stopped inside it: never saved, and a resume trains it again, whole
             rec.update(partial=True, epoch_steps=len(losses), steps_per_epoch=spe)
         if program.loss_scale:  # mixed precision: the dynamic loss scale after this epoch
-            rec["loss_scale"] = float(runner.read(program.loss_scale))
-        if ((e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole) and self.rank == 0:
-            t_eval = time.perf_counter()
-            tl, acc = self.evaluator(runner, params)
-            self.result.eval_s += time.perf_counter() - t_eval
+            rec["loss_scale"] = float(res.extra[program.loss_scale]) if program.loss_scale in res.extra \
+                else float(runner.read(program.loss_scale))
+        if evaluate:
+            if res.eval is not None:  # evaluated on the device, inside the epoch's end
+                tl, acc = res.eval
+                self.result.eval_s += res.eval_s
+            else:
+                t_eval = time.perf_counter()
+                tl, acc = self.evaluator(runner, params)
+                self.result.eval_s += time.perf_counter() - t_eval
             rec.update(test_loss=tl, test_acc=acc)
             if self.ds.kind == "text":  # bytes are the tokens: the loss in bits per byte
                 rec["test_bpb"] = tl / math.log(2)
         lr_what = f" with --lr {self.opts.lr:g}" if self.opts.lr is not None else ""
         why = divergence(rec["train_loss"], self.best, self.classes, rec.get("test_acc"), self.best_acc) \
             if losses else None
-        bad = first_nonfinite(params) if not why else None
+        bad = None
+        if not why and (params is not None or res.state_bad):
+            bad = first_nonfinite(params if params is not None else {n: runner.read(n) for n in self.ck.saved})
+            if bad is None and res.state_bad:  # (moved on since: the device's flag is the witness)
+                why = "a parameter or state array became inf or NaN while the loss stayed finite"
         if bad is not None:  # the loss stayed finite, the state did not: never saved
             name, idx, v = bad
             why = f"`{name}` became {v} at index [{', '.join(map(str, idx))}] while the loss stayed finite"
@@ -582,6 +693,30 @@ class Run:
         self.progress.close()
         if self.runlog is not None:
             self.runlog.close(report)
+
+
+class SyncEnd:
+    """An epoch's end read at once (the CPU backends, whose runner has no device-side end): the
+    losses (`runner.epoch_losses()`: finishes the epoch), the saved arrays and the loss scale
+    read; the same fields as `cuda.epoch.EpochEndResult`, with `losses` (EpochLosses) for acc."""
+
+    acc = None
+    eval = None
+    eval_s = 0.0
+    state_bad = False
+
+    def __init__(self, runner, saved, loss_scale: str | None):
+        self.losses = runner.epoch_losses()
+        runner.sync()
+        self.params = {n: runner.read(n) for n in saved}
+        self.extra = {loss_scale: float(runner.read(loss_scale))} if loss_scale else {}
+        self.values: list[float] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> "SyncEnd":
+        return self
 
 
 class Progress:

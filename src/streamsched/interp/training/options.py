@@ -51,6 +51,10 @@ class TrainOptions:
     slot by host tasks), `device` (uploaded once, each batch gathered on the GPU, no host work per
     step), `auto` (device when the plan allows and it fits cuda.resident.DEVICE_SHARE of the free
     GPU memory; the CPU backend always stages)."""
+    epoch_launch: str = "auto"
+    """`--epoch-launch`: `auto` runs each whole epoch of a device-resident run as one launch of
+    the epoch graph (the captured steps inside a CUDA conditional WHILE node) where the driver
+    has conditional nodes; `step` launches the steps one by one."""
 
 
 @dataclass
@@ -72,11 +76,8 @@ class TrainResult:
     run_id: str = ""
     threads: int = 1
     epoch_steps: list[tuple[int, float]] = field(default_factory=list)
-    """(steps, seconds) of each epoch's training phase: from its first step's issue to the read
-    of its losses (which waits for the device), evaluation and checkpoints excluded."""
-    epoch_cpu_s: list[float] = field(default_factory=list)
-    """Host CPU seconds (time.process_time: every thread of the process) of each epoch's training
-    phase, the same span as epoch_steps."""
+    """(steps, seconds) of each epoch's issue: from its first step's issue to its end's issue
+    (the device may still be running it)."""
     eval_s: float = 0.0
     """Seconds spent evaluating (and reading parameters for it), all epochs together."""
     data_on: str = "host"
@@ -88,21 +89,29 @@ class TrainResult:
     """Seconds from the start of `train` (data loaded, backend set up, graphs captured, kernels
     compiled) to the first step's issue."""
 
+    steady: tuple[int, float, float] | None = None
+    """(steps, wall seconds, host CPU seconds) of the steady state: from the first issue of the
+    run's second epoch to the read of its last epoch's end (every epoch's end included: the
+    device's and the host's work at the epoch boundaries), evaluation time taken out; None for
+    a run of one epoch."""
+    epoch_launches: int = 0
+    """Epochs that ran as one launch of the epoch graph (`--epoch-launch auto`)."""
+
     @property
     def steady_us_per_step(self) -> float:
-        """Wall microseconds per training step over every epoch but the first (warm caches,
-        steady state), evaluation excluded; over all epochs when there is only one."""
-        rows = self.epoch_steps[1:] or self.epoch_steps
-        n = sum(k for k, _ in rows)
-        return 1e6 * sum(t for _, t in rows) / n if n else float("nan")
+        """Wall microseconds per training step in the steady state (`steady`), evaluation
+        excluded; for a run of one epoch, that epoch's issue time per step."""
+        if self.steady is not None and self.steady[0]:
+            return 1e6 * self.steady[1] / self.steady[0]
+        n = sum(k for k, _ in self.epoch_steps)
+        return 1e6 * sum(t for _, t in self.epoch_steps) / n if n else float("nan")
 
     @property
     def steady_cpu_us_per_step(self) -> float:
-        """Host CPU microseconds per training step over the epochs steady_us_per_step counts."""
-        rows = list(zip(self.epoch_steps, self.epoch_cpu_s))
-        rows = rows[1:] or rows
-        n = sum(k for (k, _), _ in rows)
-        return 1e6 * sum(c for _, c in rows) / n if n else float("nan")
+        """Host CPU microseconds (time.process_time: every thread) per step over `steady`."""
+        if self.steady is not None and self.steady[0]:
+            return 1e6 * self.steady[2] / self.steady[0]
+        return float("nan")
 
     @property
     def final_accuracy(self) -> float:

@@ -1,0 +1,542 @@
+"""The end of an epoch on the GPU without a host synchronization (issue 13), and the epoch in one
+launch: `EpochEnds` issues an epoch's end on the device, in stream order after its last step and
+before the next epoch's first (the loop reads it later, when the device has got there);
+`EpochGraph` puts the captured steady steps inside a CUDA conditional WHILE node, so the host
+issues one graph launch per epoch.
+
+What an epoch's end does, on one stream, with every device stream joined to it first (a fork and
+join through events, ARCHITECTURE.md's rule for crossing streams) and waiting for it after:
+
+    losses     the LossAccumulator's four values copied into this end's report, then reset
+    state      every floating-point parameter and state array checked for inf/NaN (a flag)
+    evaluate   (when asked) the eval forward over the test set (DeviceEvaluator), its two sums
+    snapshot   (when asked: a checkpoint, a host evaluation) the saved arrays copied aside
+    order      (device-resident data) a later epoch's sample order uploaded into the half of
+               the permutation that the epoch before this one read (finished by now)
+    report     64 bytes and the snapshot copied to page-locked host memory; an event recorded
+
+Reports and snapshots are double-buffered (slot e % 2): the loop reads epoch e's while the device
+runs epoch e + 1, and reads it before it issues epoch e + 2's end (a lag of at most one epoch).
+
+The epoch graph (CUDA 12.4+ conditional nodes, through cuda.bindings):
+
+    WHILE (handle default 1, assigned at each launch)
+        for each steady slot s of the plan's period P:
+            ss_epoch_if: set IF_s = ((k - first) % P == s)
+            IF_s { child graph: the captured step unit of slot s }
+        ss_epoch_next: k += 1; WHILE = k < ends[j] (else j += 1)
+    the epoch's end (above), captured into the same graph
+
+k (the loop step) and j (the launch) live on the device; `ends` holds each launch's last step,
+so the host writes nothing per epoch.  The step units are re-captured once as raw graphs
+(cudaStreamEndCapture) and added as child graph nodes (cudaGraphAddChildGraphNode clones them),
+so the per-step graphs and the epoch graph replay the same kernels on the same buffers.  Where
+the driver or bindings lack conditional nodes, `EpochGraph` raises NotImplementedError and the
+loop issues the steps one by one (a one-line notice says why).
+
+Sources: CUDA Programming Guide, "Conditional Graph Nodes" (cudaGraphConditionalHandleCreate,
+cudaGraphSetConditional, cudaStreamBeginCaptureToGraph); CUDA_PITFALLS.md (no host read inside
+a captured graph; every buffer allocated before capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from streamsched.interp.cuda.device import check, cudart, cupy_module
+
+_CHECK_SOURCE = r"""
+// any element whose exponent bits are all ones (inf or NaN) sets flag[0] = 1 (every writer
+// writes the same value: no atomic needed)
+template <typename T>
+__device__ void nonfinite(const T* a, long long n, T mask, double* flag) {
+    long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+        if ((a[i] & mask) == mask) flag[0] = 1.0;
+}
+extern "C" __global__ void ss_nonfinite_b2(const unsigned short* a, long long n, unsigned short m, double* f) {
+    nonfinite(a, n, m, f);
+}
+extern "C" __global__ void ss_nonfinite_b4(const unsigned int* a, long long n, unsigned int m, double* f) {
+    nonfinite(a, n, m, f);
+}
+extern "C" __global__ void ss_nonfinite_b8(const unsigned long long* a, long long n, unsigned long long m,
+                                           double* f) {
+    nonfinite(a, n, m, f);
+}
+extern "C" __global__ void ss_zero1(double* p) { p[0] = 0.0; }
+"""
+
+_COND_SOURCE = r"""
+typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
+                                                                      unsigned int value);
+
+// loop: [k, j]: the loop step the next iteration runs, and which launch of the epoch graph this is
+extern "C" __global__ void ss_epoch_if(cudaGraphConditionalHandle h, const int* loop, int first, int period,
+                                       int s) {
+    int r = (loop[0] - first) % period;
+    cudaGraphSetConditional(h, r == s ? 1u : 0u);
+}
+extern "C" __global__ void ss_epoch_next(cudaGraphConditionalHandle h, int* loop, const int* ends) {
+    int k = loop[0] + 1;
+    loop[0] = k;
+    if (k >= ends[loop[1]]) {
+        loop[1] += 1;
+        cudaGraphSetConditional(h, 0u);
+    } else {
+        cudaGraphSetConditional(h, 1u);
+    }
+}
+"""
+
+# exponent masks: a value is inf or NaN exactly when all its exponent bits are set
+_MASKS = {"float16": (2, 0x7C00), "bfloat16": (2, 0x7F80), "float32": (4, 0x7F800000),
+          "float64": (8, 0x7FF0000000000000)}
+_H2D, _D2H, _D2D = 1, 2, 3
+REPORT = 8
+"""f64 values of one epoch's report: loss sum, steps, first bad step (-1: none), its value, eval
+loss sum, eval hit sum, state flag (1: an inf/NaN in the parameters or state), unused."""
+
+
+@dataclass
+class EpochEndResult:
+    """What an epoch's end reports once the device got there: `acc` (loss sum, steps, first bad
+    step or -1, its value; None without a device accumulator), `eval` (mean loss, accuracy) or
+    None, `state_bad` (an inf/NaN somewhere in the parameters or state), `params` (host copies
+    of the snapshot, name -> ndarray) or None, `eval_s` (the evaluation's device seconds)."""
+
+    acc: tuple[float, int, int, float] | None
+    eval: tuple[float, float] | None
+    state_bad: bool
+    params: dict[str, np.ndarray] | None
+    eval_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class EpochEnd:
+    """One issued epoch end: `ready()` without waiting (an event query), `result()` waits for
+    it (a blocking event: the host sleeps, it does not spin) and returns EpochEndResult."""
+
+    def __init__(self, owner: "EpochEnds", slot: int, evaluate: bool, snapshot: bool, timed: bool):
+        self.owner, self.slot, self.evaluate, self.snapshot, self.timed = owner, slot, evaluate, snapshot, timed
+        self._result: EpochEndResult | None = None
+
+    def ready(self) -> bool:
+        return self._result is not None or bool(self.owner.ready[self.slot].done)
+
+    def result(self) -> EpochEndResult:
+        if self._result is None:
+            self._result = self.owner._collect(self)
+        return self._result
+
+
+class EpochEnds:
+    """The epoch ends of one CudaExecutor's run (module docstring).
+
+    ex: the executor (its accumulator, arrays, streams); check: names of the arrays checked for
+    inf/NaN (floating point only; others are skipped); saved: the names a snapshot copies;
+    extra: names of scalars always reported (the dynamic loss scale), name -> value;
+    resident: the run's ResidentData (its permutation receives the orders), or None.
+    `set_evaluator` attaches the DeviceEvaluator once it exists.  Everything is allocated here,
+    before any capture."""
+
+    def __init__(self, ex, check_names, saved, extra=(), resident=None):
+        cp = self.cp = cupy_module()
+        self.ex, self.ctx = ex, ex.ctx
+        self.resident = resident
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.report = cp.zeros((2, REPORT), dtype=cp.float64)
+        self.report_host = [self._pinned(REPORT * 8).view(np.float64) for _ in range(2)]
+        self.acc_init = self._pinned(32).view(np.float64)
+        self.acc_init[:] = (0.0, 0.0, -1.0, 0.0)
+        self.join = {s: cp.cuda.Event(disable_timing=True) for s in self.ctx.names}
+        self.done = cp.cuda.Event(disable_timing=True)
+        self.ready = [cp.cuda.Event(block=True, disable_timing=True) for _ in range(2)]
+        self.eval_marks = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(2)]
+        self.mod = cp.RawModule(code=_CHECK_SOURCE, options=("-std=c++14",))
+        self._zero = self.mod.get_function("ss_zero1")
+        self.checks = []
+        for n in check_names:
+            a = ex.arrays.get(n)
+            if a is None or str(a.dtype) not in _MASKS or a.size == 0:
+                continue
+            width, mask = _MASKS[str(a.dtype)]
+            fn = self.mod.get_function(f"ss_nonfinite_b{width}")
+            mask_t = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width](mask)
+            self.checks.append((fn, a, int(a.size), mask_t))
+        self.saved = [n for n in saved if n in ex.arrays]
+        self.snap_dev: dict[str, Any] = {}
+        self.snap_host: list[dict[str, np.ndarray]] = [{}, {}]
+        self.extra = {n: ex.arrays[n] for n in extra if n in ex.arrays}
+        self.extra_dev = {n: cp.zeros(a.shape, a.dtype) for n, a in self.extra.items()}
+        self.extra_host = [{n: self._pinned(a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
+                            for n, a in self.extra.items()} for _ in range(2)]
+        self.order_host = None
+        if resident is not None:
+            n = resident.spe * resident.batch
+            self.order_host = [self._pinned(4 * n).view(np.int32) for _ in range(2)]
+            self.order_half = [0, 1]  # the permutation half each slot's upload fills (set_order)
+        self.evaluator = None
+        self.count = 0
+
+    def _pinned(self, nbytes: int) -> np.ndarray:
+        return self.ctx.pinned_zeros(max(8, int(nbytes)))[:max(8, int(nbytes))]
+
+    def set_evaluator(self, evaluator) -> None:
+        self.evaluator = evaluator
+
+    def ensure_snapshot(self) -> None:
+        """The snapshot's device and pinned buffers (allocated once, outside any capture)."""
+        if self.snap_dev or not self.saved:
+            return
+        cp = self.cp
+        for n in self.saved:
+            a = self.ex.arrays[n]
+            self.snap_dev[n] = cp.zeros(a.shape, a.dtype)
+            for s in range(2):
+                self.snap_host[s][n] = self._pinned(a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
+        self.stream.synchronize()
+
+    def set_order(self, slot: int, order: np.ndarray | None) -> None:
+        """The sample order end slot `slot` uploads (None: the pinned buffer keeps what it had).
+        End i (from 0, slot i % 2) uploads epoch i + 2's order into permutation half i % 2, the
+        half epoch i read: finished once end i runs, read again by epoch i + 2 (and by the
+        prefetch of epoch i + 1's last step).  An end with no later epoch uploads a stale order
+        into a half nothing reads again.  The host writes the pinned buffer now: the end that
+        reads it has not been issued, and the end that last read it (i - 2) was collected (the
+        loop's lag is at most one epoch)."""
+        if self.order_host is None:
+            return
+        if order is not None:
+            n = self.order_host[slot].size
+            self.order_host[slot][:] = np.asarray(order[:n], dtype=np.int32)
+        self.order_half[slot] = slot
+
+    # -- issuing ----------------------------------------------------------------------------
+
+    def issue_device(self, stream, slot: int, evaluate: bool, snapshot: bool, capturing: bool = False,
+                     timed: bool = True) -> None:
+        """The end's device work on `stream` (module docstring), ordered by that stream alone:
+        the caller has joined the epoch's streams to it (or captures it after the epoch's
+        steps, on their stream).  capturing: inside a capture (the evaluator is re-captured,
+        not launched)."""
+        rt = cp_runtime()
+        ptr = int(stream.ptr)
+        rep = self.report[slot]
+        rep_ptr = int(rep.data.ptr)
+        acc = self.ex.accumulator
+        if acc is not None:
+            rt.memcpyAsync(rep_ptr, int(acc.acc.data.ptr), 32, _D2D, ptr)
+            rt.memcpyAsync(int(acc.acc.data.ptr), int(self.acc_init.ctypes.data), 32, _H2D, ptr)
+        with stream:
+            self._zero((1,), (1,), (rep[6:7],))
+            for fn, a, n, mask in self.checks:
+                blocks = max(1, min(1024, (n + 255) // 256))
+                fn((blocks,), (256,), (a, np.int64(n), mask, rep[6:7]))
+        if evaluate and self.evaluator is not None:
+            t0, t1 = self.eval_marks[slot]
+            if timed:
+                t0.record(stream)
+            self.evaluator.issue(stream, capturing=capturing)
+            if timed:
+                t1.record(stream)
+            rt.memcpyAsync(rep_ptr + 4 * 8, int(self.evaluator.out.data.ptr), 16, _D2D, ptr)
+        for n, a in self.extra.items():
+            rt.memcpyAsync(int(self.extra_dev[n].data.ptr), int(a.data.ptr), a.nbytes, _D2D, ptr)
+        if snapshot:
+            for n in self.saved:
+                a = self.ex.arrays[n]
+                rt.memcpyAsync(int(self.snap_dev[n].data.ptr), int(a.data.ptr), a.nbytes, _D2D, ptr)
+        if self.order_host is not None and self.order_half[slot] is not None:
+            half = self.resident.perm[self.order_half[slot]]
+            rt.memcpyAsync(int(half.data.ptr), int(self.order_host[slot].ctypes.data), half.nbytes, _H2D, ptr)
+
+    def issue_host_copies(self, stream, slot: int, snapshot: bool) -> None:
+        """The report (and snapshot) copied into page-locked memory, on `stream`."""
+        rt = cp_runtime()
+        ptr = int(stream.ptr)
+        rt.memcpyAsync(int(self.report_host[slot].ctypes.data), int(self.report[slot].data.ptr), REPORT * 8,
+                       _D2H, ptr)
+        for n, d in self.extra_dev.items():
+            rt.memcpyAsync(int(self.extra_host[slot][n].ctypes.data), int(d.data.ptr), d.nbytes, _D2H, ptr)
+        if snapshot:
+            for n in self.saved:
+                d = self.snap_dev[n]
+                rt.memcpyAsync(int(self.snap_host[slot][n].ctypes.data), int(d.data.ptr), d.nbytes, _D2H, ptr)
+
+    def end(self, evaluate: bool, snapshot: bool) -> EpochEnd:
+        """Issue an epoch's end eagerly: every device stream joined to this end's stream, the
+        device work, every device stream waiting for it, then the host copies and the event."""
+        slot = self.count % 2
+        self.count += 1
+        if snapshot:
+            self.ensure_snapshot()
+        es = self.stream
+        for s, st in self.ctx.streams.items():
+            self.join[s].record(st)
+            es.wait_event(self.join[s])
+        self.issue_device(es, slot, evaluate, snapshot)
+        self.done.record(es)
+        for st in self.ctx.streams.values():
+            st.wait_event(self.done)
+        self.issue_host_copies(es, slot, snapshot)
+        self.ready[slot].record(es)
+        return EpochEnd(self, slot, evaluate, snapshot, timed=True)
+
+    def _collect(self, end: EpochEnd) -> EpochEndResult:
+        self.ready[end.slot].synchronize()
+        r = self.report_host[end.slot].copy()
+        acc = None
+        if self.ex.accumulator is not None:
+            acc = (float(r[0]), int(r[1]), int(r[2]), float(r[3]))
+        ev = None
+        eval_s = 0.0
+        if end.evaluate and self.evaluator is not None:
+            tot = self.evaluator.total
+            ev = (float(r[4]) / tot, float(r[5]) / tot)
+            if end.timed:
+                t0, t1 = self.eval_marks[end.slot]
+                try:
+                    eval_s = self.cp.cuda.get_elapsed_time(t0, t1) / 1e3
+                except Exception:  # events recorded by a graph that could not time them
+                    eval_s = 0.0
+        params = None
+        if end.snapshot:
+            params = {n: np.array(a) for n, a in self.snap_host[end.slot].items()}
+        extra = {n: float(np.asarray(a).reshape(-1)[0]) for n, a in self.extra_host[end.slot].items()}
+        return EpochEndResult(acc, ev, bool(r[6] != 0.0), params, eval_s, extra)
+
+
+def cp_runtime():
+    return cupy_module().cuda.runtime
+
+
+# -- the epoch in one launch ----------------------------------------------------------------------
+
+def _conditional_support() -> str:
+    """'' when the driver and the bindings have conditional WHILE/IF nodes, else why not."""
+    rt = cudart()
+    try:
+        drv = check(rt.cudaDriverGetVersion(), "cudaDriverGetVersion")
+    except Exception as exc:
+        return f"the CUDA runtime bindings are unusable ({exc})"
+    if int(drv) < 12040:
+        return f"the driver's CUDA {int(drv) // 1000}.{int(drv) % 1000 // 10} has no conditional graph nodes (12.4+)"
+    for name in ("cudaGraphConditionalHandleCreate", "cudaStreamBeginCaptureToGraph", "cudaGraphAddNode",
+                 "cudaStreamUpdateCaptureDependencies", "cudaGraphAddChildGraphNode"):
+        if not hasattr(rt, name):
+            return f"cuda.bindings lacks {name}"
+    return ""
+
+
+def _capture_info(rt, stream_ptr: int):
+    """(graph, dependencies) of a capturing stream, across the bindings' 12.x and 13.x forms."""
+    r = check(rt.cudaStreamGetCaptureInfo(stream_ptr), "cudaStreamGetCaptureInfo")
+    # 12.x: status, id, graph, deps, numDeps; 13.x: status, id, graph, deps, edgeData, numDeps
+    graph, deps = r[2], r[3]
+    n = int(r[-1])
+    return graph, list(deps)[:n] if deps is not None else []
+
+
+def _add_node(rt, graph, deps, params):
+    try:  # 13.x: (graph, deps, edgeData, numDeps, params)
+        return check(rt.cudaGraphAddNode(graph, deps, None, len(deps), params), "cudaGraphAddNode")
+    except TypeError:  # 12.x: (graph, deps, numDeps, params)
+        return check(rt.cudaGraphAddNode(graph, deps, len(deps), params), "cudaGraphAddNode")
+
+
+def _set_deps(rt, stream_ptr: int, nodes):
+    flag = rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies
+    try:
+        check(rt.cudaStreamUpdateCaptureDependencies(stream_ptr, nodes, None, len(nodes), flag),
+              "cudaStreamUpdateCaptureDependencies")
+    except TypeError:
+        check(rt.cudaStreamUpdateCaptureDependencies(stream_ptr, nodes, len(nodes), flag),
+              "cudaStreamUpdateCaptureDependencies")
+
+
+def _conditional(rt, graph, deps, kind: str, handle):
+    """Add a conditional node of `kind` (WHILE, IF) to `graph` after `deps`; (node, body graph)."""
+    p = rt.cudaGraphNodeParams()
+    p.type = rt.cudaGraphNodeType.cudaGraphNodeTypeConditional
+    p.conditional.handle = handle
+    p.conditional.type = getattr(rt.cudaGraphConditionalNodeType, f"cudaGraphCondType{kind}")
+    p.conditional.size = 1
+    node = _add_node(rt, graph, deps, p)
+    return node, p.conditional.phGraph_out[0]
+
+
+def _handle_value(h) -> int:
+    try:
+        return int(h)
+    except TypeError:  # pragma: no cover - an older bindings object
+        import ctypes
+
+        return ctypes.c_ulonglong.from_address(h.getPtr()).value
+
+
+class EpochGraph:
+    """The steady steps of a plan, looped on the device (module docstring), for one executor.
+
+    ex: the CudaExecutor (capture = step, device-resident data); prog_units: for each slot s of
+    the period (loop steps first + s, first + P + s, ...), the CapturedUnit of that step; first:
+    the first loop step the graph may run (>= the plan's unrolled steps minus the period);
+    ends: the last loop step (exclusive) of each launch, in launch order; home: the stream the
+    step units were launched on.  Raises NotImplementedError (why) where conditional nodes are
+    unavailable or a capture fails."""
+
+    def __init__(self, ex, units: list, first: int, ends: list[int], home: str, boundary: EpochEnds):
+        why = _conditional_support()
+        if why:
+            raise NotImplementedError(why)
+        cp = self.cp = cupy_module()
+        self.rt = cudart()
+        self.ex, self.units, self.first, self.period = ex, units, int(first), len(units)
+        self.home_name = home
+        self.home = ex.ctx.streams[home]
+        self.boundary = boundary
+        self.loop = cp.array([first, 0], dtype=cp.int32)
+        self.ends = cp.array(list(ends) + [0], dtype=cp.int32)
+        self.mod = cp.RawModule(code=_COND_SOURCE, options=("-std=c++14",))
+        self._if = self.mod.get_function("ss_epoch_if")
+        self._next = self.mod.get_function("ss_epoch_next")
+        self.side = cp.cuda.Stream(non_blocking=True)  # the WHILE body is captured here
+        self.raw_units = ex.capture_raw(units)  # each slot's step again, as a cudaGraph_t
+        self.raw = [cu.graph for cu in self.raw_units]
+        if ex.resident is not None:  # the captures' warm-ups ran each gather once: start again at 0
+            ex.resident.reset()
+        self.execs: dict[tuple, Any] = {}
+        self.launches = 0
+        self.home.synchronize()
+
+    def _build(self, slot: int, evaluate: bool, snapshot: bool):
+        """The executable graph: the WHILE loop, then epoch-end slot `slot`'s work."""
+        rt, cp = self.rt, self.cp
+        b = self.boundary
+        if snapshot:
+            b.ensure_snapshot()
+        # the outer capture is on the evaluator's home stream (its twins launch there)
+        cap = b.ctx.streams[b.ctx.names[0]]
+        cptr = int(cap.ptr)
+        relaxed = rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+        import gc
+
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            check(rt.cudaStreamBeginCapture(cptr, relaxed), "cudaStreamBeginCapture")
+            try:
+                graph, deps = _capture_info(rt, cptr)
+                hw = check(rt.cudaGraphConditionalHandleCreate(graph, 1, getattr(rt, "cudaGraphCondAssignDefault", 1)),
+                           "cudaGraphConditionalHandleCreate")
+                wnode, wbody = _conditional(rt, graph, deps, "While", hw)
+                _set_deps(rt, cptr, [wnode])
+                sptr = int(self.side.ptr)
+                check(rt.cudaStreamBeginCaptureToGraph(sptr, wbody, None, None, 0, relaxed),
+                      "cudaStreamBeginCaptureToGraph")
+                try:
+                    for s, raw in enumerate(self.raw):
+                        hs = check(rt.cudaGraphConditionalHandleCreate(wbody, 0, 0),
+                                   "cudaGraphConditionalHandleCreate")
+                        with self.side:
+                            self._if((1,), (1,), (np.uint64(_handle_value(hs)), self.loop, np.int32(self.first),
+                                                  np.int32(self.period), np.int32(s)))
+                        g2, d2 = _capture_info(rt, sptr)
+                        inode, ibody = _conditional(rt, g2, d2, "If", hs)
+                        check(rt.cudaGraphAddChildGraphNode(ibody, None, 0, raw), "cudaGraphAddChildGraphNode")
+                        _set_deps(rt, sptr, [inode])
+                    with self.side:
+                        self._next((1,), (1,), (np.uint64(_handle_value(hw)), self.loop, self.ends))
+                finally:
+                    check(rt.cudaStreamEndCapture(sptr), "cudaStreamEndCapture (the WHILE body)")
+                with cp.cuda.using_allocator(self.ex._pool.malloc):
+                    b.issue_device(cap, slot, evaluate, snapshot, capturing=True, timed=False)
+                    b.issue_host_copies(cap, slot, snapshot)
+            except BaseException:
+                try:
+                    rt.cudaStreamEndCapture(cptr)
+                except Exception:
+                    pass
+                raise
+            g = check(rt.cudaStreamEndCapture(cptr), "cudaStreamEndCapture (the epoch graph)")
+        finally:
+            if gc_was:
+                gc.enable()
+        ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
+        check(rt.cudaGraphUpload(ge, int(self.home.ptr)), "cudaGraphUpload")
+        return g, ge
+
+    def prepare(self, variants) -> None:
+        """Build the executable graphs of `variants` ((slot, evaluate, snapshot), ...) now, before
+        the run's first step, so no instantiation falls inside the measured loop."""
+        for v in variants:
+            if v not in self.execs:
+                self.execs[v] = self._build(*v)
+
+    def launch(self, evaluate: bool, snapshot: bool, pre_waits=()) -> EpochEnd:
+        """One epoch: the next launch's steps and its end, one graph launch on the step units'
+        home stream; the end's event recorded after it."""
+        b = self.boundary
+        slot = b.count % 2
+        b.count += 1
+        key = (slot, evaluate, snapshot)
+        if key not in self.execs:
+            self.execs[key] = self._build(*key)
+        home = self.home
+        for ev in pre_waits:
+            home.wait_event(ev)
+        check(self.rt.cudaGraphLaunch(self.execs[key][1], int(home.ptr)), "cudaGraphLaunch (the epoch graph)")
+        cap = b.ctx.streams[b.ctx.names[0]]
+        if cap is not home:  # the end was captured as if on the evaluator's stream: order it
+            b.done.record(home)
+            cap.wait_event(b.done)
+        b.ready[slot].record(home)
+        self.launches += 1
+        return EpochEnd(b, slot, evaluate, snapshot, timed=False)
+
+    def close(self) -> None:
+        rt = self.rt
+        for g, ge in self.execs.values():
+            rt.cudaGraphExecDestroy(ge)
+            rt.cudaGraphDestroy(g)
+        self.execs.clear()
+        for raw in self.raw:
+            rt.cudaGraphDestroy(raw)
+        self.raw, self.raw_units = [], []
+
+
+def steady_units(ex, segs, first: int, period: int):
+    """(the CapturedUnit of each steady slot (loop steps first .. first + period - 1), their home
+    stream) when every such step is one graph launch, all on one home stream, with nothing else
+    but records and waits that the home stream's order already gives; else NotImplementedError
+    naming what is in the way.  A device wait for an event that only the host records (the
+    staging's, dropped with device-resident data) waits for nothing: it is ignored."""
+    from streamsched.interp.ir import HOST
+
+    dev_recorded = {i.event for i in ex.plan.instrs if i.op == "record" and i.stream != HOST}
+    event_id = {id(ev): n for n, ev in enumerate(ex.events)}
+    units = []
+    progs = [ex.compile(segs.for_step(k)) for k in range(first, first + period)]
+    graphs = [[op for op in p.ops if op[0] == "graph"] for p in progs]
+    if any(len(g) != 1 for g in graphs):
+        k = first + next(i for i, g in enumerate(graphs) if len(g) != 1)
+        raise NotImplementedError(f"step {k} is not one graph launch")
+    home = graphs[0][0][1].home
+    home_stream = ex.ctx.streams[home]
+    for i, (p, g) in enumerate(zip(progs, graphs)):
+        cu = g[0][1]
+        if cu.home != home:
+            raise NotImplementedError("the steady steps launch on different streams")
+        for op in p.ops:
+            if op[0] == "graph" or op[0] == "record":
+                continue  # a record outside the unit: the end joins every stream after the epoch
+            if op[0] == "wait" and (op[1] is home_stream or event_id.get(id(op[2])) not in dev_recorded):
+                continue  # ordered by the home stream itself, or waits for a host-only event
+            raise NotImplementedError(f"step {first + i} issues `{op[0]}` outside its graph")
+        units.append(cu)  # (its pre_waits: events recorded on streams whose only work is the graphs
+        # launched on home, so home's order holds them)
+    return units, home
