@@ -21,9 +21,10 @@ runs epoch e + 1, and reads it before it issues epoch e + 2's end (a lag of at m
 The epoch graph (CUDA 12.4+ conditional nodes, through cuda.bindings):
 
     WHILE (handle default 1, assigned at each launch)
-        for each steady slot s of the plan's period P:
-            ss_epoch_if: set IF_s = ((k - first) % P == s)
-            IF_s { child graph: the captured step unit of slot s }
+        ss_epoch_switch: set SWITCH = (k - first) % P        (P: the plan's steady period)
+        SWITCH { body s: child graph: the captured step unit of slot s }
+            (where the runtime lacks SWITCH nodes, CUDA < 12.8: per slot s, ss_epoch_if sets
+             IF_s = ((k - first) % P == s), then IF_s { the same child graph })
         ss_epoch_next: k += 1; WHILE = k < ends[j] (else j += 1)
     the epoch's end (above), captured into the same graph
 
@@ -80,6 +81,9 @@ extern "C" __global__ void ss_epoch_if(cudaGraphConditionalHandle h, const int* 
                                        int s) {
     int r = (loop[0] - first) % period;
     cudaGraphSetConditional(h, r == s ? 1u : 0u);
+}
+extern "C" __global__ void ss_epoch_switch(cudaGraphConditionalHandle h, const int* loop, int first, int period) {
+    cudaGraphSetConditional(h, (unsigned int)((loop[0] - first) % period));
 }
 extern "C" __global__ void ss_epoch_next(cudaGraphConditionalHandle h, int* loop, const int* ends) {
     int k = loop[0] + 1;
@@ -176,12 +180,13 @@ class EpochEnds:
         self.extra_host = [{n: self._pinned(a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
                             for n, a in self.extra.items()} for _ in range(2)]
         self.order_host = None
-        if resident is not None:
+        if resident is not None and resident.halves == 2:  # (else every order is on the device)
             n = resident.spe * resident.batch
             self.order_host = [self._pinned(4 * n).view(np.int32) for _ in range(2)]
             self.order_half = [0, 1]  # the permutation half each slot's upload fills (set_order)
         self.evaluator = None
         self.count = 0
+        cp.cuda.Device().synchronize()  # zeroed on CuPy's current stream, read on non-blocking ones
 
     def _pinned(self, nbytes: int) -> np.ndarray:
         return self.ctx.pinned_zeros(max(8, int(nbytes)))[:max(8, int(nbytes))]
@@ -199,7 +204,7 @@ class EpochEnds:
             self.snap_dev[n] = cp.zeros(a.shape, a.dtype)
             for s in range(2):
                 self.snap_host[s][n] = self._pinned(a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
-        self.stream.synchronize()
+        cp.cuda.Device().synchronize()
 
     def set_order(self, slot: int, order: np.ndarray | None) -> None:
         """The sample order end slot `slot` uploads (None: the pinned buffer keeps what it had).
@@ -240,10 +245,10 @@ class EpochEnds:
         if evaluate and self.evaluator is not None:
             t0, t1 = self.eval_marks[slot]
             if timed:
-                t0.record(stream)
+                _record(t0, stream, capturing)
             self.evaluator.issue(stream, capturing=capturing)
             if timed:
-                t1.record(stream)
+                _record(t1, stream, capturing)
             rt.memcpyAsync(rep_ptr + 4 * 8, int(self.evaluator.out.data.ptr), 16, _D2D, ptr)
         for n, a in self.extra.items():
             rt.memcpyAsync(int(self.extra_dev[n].data.ptr), int(a.data.ptr), a.nbytes, _D2D, ptr)
@@ -311,6 +316,16 @@ class EpochEnds:
         return EpochEndResult(acc, ev, bool(r[6] != 0.0), params, eval_s, extra)
 
 
+def _record(ev, stream, capturing: bool) -> None:
+    """Record `ev` on `stream`; inside a capture as an event record node of the graph
+    (cudaEventRecordExternal), so the evaluation's time can be read after a replay."""
+    if not capturing:
+        ev.record(stream)
+        return
+    rt = cudart()
+    check(rt.cudaEventRecordWithFlags(ev.ptr, int(stream.ptr), rt.cudaEventRecordExternal), "cudaEventRecordWithFlags")
+
+
 def cp_runtime():
     return cupy_module().cuda.runtime
 
@@ -359,15 +374,17 @@ def _set_deps(rt, stream_ptr: int, nodes):
               "cudaStreamUpdateCaptureDependencies")
 
 
-def _conditional(rt, graph, deps, kind: str, handle):
-    """Add a conditional node of `kind` (WHILE, IF) to `graph` after `deps`; (node, body graph)."""
+def _conditional(rt, graph, deps, kind: str, handle, size: int = 1):
+    """Add a conditional node of `kind` (While, If, Switch) with `size` bodies to `graph` after
+    `deps`; (node, body graph) or, for size > 1, (node, [body graphs])."""
     p = rt.cudaGraphNodeParams()
     p.type = rt.cudaGraphNodeType.cudaGraphNodeTypeConditional
     p.conditional.handle = handle
     p.conditional.type = getattr(rt.cudaGraphConditionalNodeType, f"cudaGraphCondType{kind}")
-    p.conditional.size = 1
+    p.conditional.size = size
     node = _add_node(rt, graph, deps, p)
-    return node, p.conditional.phGraph_out[0]
+    bodies = p.conditional.phGraph_out
+    return (node, bodies[0]) if size == 1 else (node, [bodies[i] for i in range(size)])
 
 
 def _handle_value(h) -> int:
@@ -404,6 +421,9 @@ class EpochGraph:
         self.mod = cp.RawModule(code=_COND_SOURCE, options=("-std=c++14",))
         self._if = self.mod.get_function("ss_epoch_if")
         self._next = self.mod.get_function("ss_epoch_next")
+        self._switch = self.mod.get_function("ss_epoch_switch")
+        # a SWITCH node where the runtime has one (12.8+), else one IF node per slot
+        self.switch = self.period > 1 and hasattr(self.rt.cudaGraphConditionalNodeType, "cudaGraphCondTypeSwitch")
         self.side = cp.cuda.Stream(non_blocking=True)  # the WHILE body is captured here
         self.raw_units = ex.capture_raw(units)  # each slot's step again, as a cudaGraph_t
         self.raw = [cu.graph for cu in self.raw_units]
@@ -411,7 +431,7 @@ class EpochGraph:
             ex.resident.reset()
         self.execs: dict[tuple, Any] = {}
         self.launches = 0
-        self.home.synchronize()
+        cp.cuda.Device().synchronize()
 
     def _build(self, slot: int, evaluate: bool, snapshot: bool):
         """The executable graph: the WHILE loop, then epoch-end slot `slot`'s work."""
@@ -439,22 +459,39 @@ class EpochGraph:
                 check(rt.cudaStreamBeginCaptureToGraph(sptr, wbody, None, None, 0, relaxed),
                       "cudaStreamBeginCaptureToGraph")
                 try:
-                    for s, raw in enumerate(self.raw):
+                    if self.switch:  # one SWITCH node (CUDA 12.8+): body s runs slot s's step
                         hs = check(rt.cudaGraphConditionalHandleCreate(wbody, 0, 0),
                                    "cudaGraphConditionalHandleCreate")
                         with self.side:
-                            self._if((1,), (1,), (np.uint64(_handle_value(hs)), self.loop, np.int32(self.first),
-                                                  np.int32(self.period), np.int32(s)))
+                            self._switch((1,), (1,), (np.uint64(_handle_value(hs)), self.loop, np.int32(self.first),
+                                                      np.int32(self.period)))
                         g2, d2 = _capture_info(rt, sptr)
-                        inode, ibody = _conditional(rt, g2, d2, "If", hs)
-                        check(rt.cudaGraphAddChildGraphNode(ibody, None, 0, raw), "cudaGraphAddChildGraphNode")
-                        _set_deps(rt, sptr, [inode])
+                        snode, sbodies = _conditional(rt, g2, d2, "Switch", hs, size=max(2, self.period))
+                        for sb, raw in zip(sbodies, self.raw):
+                            check(rt.cudaGraphAddChildGraphNode(sb, None, 0, raw), "cudaGraphAddChildGraphNode")
+                        _set_deps(rt, sptr, [snode])
+                    elif self.period == 1:  # one step: the child graph itself
+                        g2, d2 = _capture_info(rt, sptr)
+                        cnode = check(rt.cudaGraphAddChildGraphNode(g2, d2, len(d2), self.raw[0]),
+                                      "cudaGraphAddChildGraphNode")
+                        _set_deps(rt, sptr, [cnode])
+                    else:  # an IF node per slot, its condition set just before it
+                        for s, raw in enumerate(self.raw):
+                            hs = check(rt.cudaGraphConditionalHandleCreate(wbody, 0, 0),
+                                       "cudaGraphConditionalHandleCreate")
+                            with self.side:
+                                self._if((1,), (1,), (np.uint64(_handle_value(hs)), self.loop, np.int32(self.first),
+                                                      np.int32(self.period), np.int32(s)))
+                            g2, d2 = _capture_info(rt, sptr)
+                            inode, ibody = _conditional(rt, g2, d2, "If", hs)
+                            check(rt.cudaGraphAddChildGraphNode(ibody, None, 0, raw), "cudaGraphAddChildGraphNode")
+                            _set_deps(rt, sptr, [inode])
                     with self.side:
                         self._next((1,), (1,), (np.uint64(_handle_value(hw)), self.loop, self.ends))
                 finally:
                     check(rt.cudaStreamEndCapture(sptr), "cudaStreamEndCapture (the WHILE body)")
                 with cp.cuda.using_allocator(self.ex._pool.malloc):
-                    b.issue_device(cap, slot, evaluate, snapshot, capturing=True, timed=False)
+                    b.issue_device(cap, slot, evaluate, snapshot, capturing=True, timed=True)
                     b.issue_host_copies(cap, slot, snapshot)
             except BaseException:
                 try:
@@ -472,10 +509,18 @@ class EpochGraph:
 
     def prepare(self, variants) -> None:
         """Build the executable graphs of `variants` ((slot, evaluate, snapshot), ...) now, before
-        the run's first step, so no instantiation falls inside the measured loop."""
+        the run's first step, so no instantiation falls inside the measured loop.  A SWITCH the
+        driver refuses falls back to IF nodes."""
         for v in variants:
             if v not in self.execs:
-                self.execs[v] = self._build(*v)
+                try:
+                    self.execs[v] = self._build(*v)
+                except Exception:
+                    if not self.switch:
+                        raise
+                    self.switch = False
+                    self.execs.clear()
+                    self.execs[v] = self._build(*v)
 
     def launch(self, evaluate: bool, snapshot: bool, pre_waits=()) -> EpochEnd:
         """One epoch: the next launch's steps and its end, one graph launch on the step units'
@@ -496,7 +541,7 @@ class EpochGraph:
             cap.wait_event(b.done)
         b.ready[slot].record(home)
         self.launches += 1
-        return EpochEnd(b, slot, evaluate, snapshot, timed=False)
+        return EpochEnd(b, slot, evaluate, snapshot, timed=True)
 
     def close(self) -> None:
         rt = self.rt

@@ -165,6 +165,7 @@ class CudaExecutor:
         self.unit_graph: dict[int, CapturedUnit] = {}
         self._programs: dict[tuple | None, Program] = {}
         self._by_tuple: dict[int, tuple[tuple, Program]] = {}  # id(instrs) -> (instrs, its program)
+        cp.cuda.Device().synchronize()  # the arenas' zeroing, the bindings' uploads (see _scratch_bound)
         if self.capture != "none":
             self.capture_units()
         if resident is not None:  # the warm-up ran each gather once: its counter starts again at 0
@@ -482,7 +483,12 @@ class CudaExecutor:
             else:
                 arenas[space] = allocate_arena(self.ctx.pinned_zeros, space, arena.nbytes, self.buffers)
         arrays, _ = self._allocate(self.buffers, arenas)
-        return [self._bind(t, arrays) for t in self.schedule.tasks]
+        bound = [self._bind(t, arrays) for t in self.schedule.tasks]
+        # The zeroing memsets (and any table a binding uploaded) ran on CuPy's current stream, which
+        # our non-blocking streams do not wait for: without this, a warm-up kernel could read a
+        # scratch buffer before it is zeroed (garbage labels index out of bounds: an illegal address)
+        self.cp.cuda.Device().synchronize()
+        return bound
 
     def capture_raw(self, cus: Sequence[CapturedUnit]) -> list[CapturedUnit]:
         """Each unit of `cus` captured again with its `.graph` a raw cudaGraph_t (cuda.bindings;

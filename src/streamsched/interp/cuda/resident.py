@@ -4,9 +4,10 @@ count), and the twins that replace the plan's host-to-device copies (`interp/res
 which): each gathers its step's batch (or value) on the device at the index its own device
 counter gives, then advances the counter, both on the copy's stream, captured into its graph.
 
-Memory: x [N, ...] in the model input's dtype, y [N, ...], the permutation of two epochs
-(int32 [2, steps_per_epoch * batch]: the epoch in progress and the next one, which the last
-step's prefetch reads), one f32/f64 table of `steps` values per scalar, one int32 counter per
+Memory: x [N, ...] in the model input's dtype, y [N, ...], the permutation (int32 [rows,
+steps_per_epoch * batch]: every epoch's order, uploaded at the start, when they fit
+ORDERS_BYTES; else two rows, the epoch in progress and the next one, which the last step's
+prefetch reads), one f32/f64 table of `steps` values per scalar, one int32 counter per
 copy.  `DEVICE_SHARE` of the free device memory is the most `auto` holds.
 """
 
@@ -33,26 +34,26 @@ __device__ long long ss_res_index(const int* cnt, int s, int period, int ahead, 
 
 template <typename T>
 __device__ void gather(const T* src, T* dst, const int* perm, const int* cnt, long long row, int batch, int s,
-                       int period, int ahead, long long total, int spe) {
+                       int period, int ahead, long long total, int spe, int halves) {
     long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= (long long)batch * row) return;
     long long j = ss_res_index(cnt, s, period, ahead, total);
     long long e = j / spe, i = j % spe;
     long long r = k / row, c = k % row;
-    long long sample = perm[(e & 1) * (long long)spe * batch + i * batch + r];
+    long long sample = perm[(e % halves) * (long long)spe * batch + i * batch + r];
     dst[k] = src[sample * row + c];
 }
 extern "C" __global__ void ss_res_gather_b2(const unsigned short* a, unsigned short* b, const int* p, const int* c,
-        long long row, int n, int s, int period, int ahead, long long total, int spe) {
-    gather(a, b, p, c, row, n, s, period, ahead, total, spe);
+        long long row, int n, int s, int period, int ahead, long long total, int spe, int h) {
+    gather(a, b, p, c, row, n, s, period, ahead, total, spe, h);
 }
 extern "C" __global__ void ss_res_gather_b4(const unsigned int* a, unsigned int* b, const int* p, const int* c,
-        long long row, int n, int s, int period, int ahead, long long total, int spe) {
-    gather(a, b, p, c, row, n, s, period, ahead, total, spe);
+        long long row, int n, int s, int period, int ahead, long long total, int spe, int h) {
+    gather(a, b, p, c, row, n, s, period, ahead, total, spe, h);
 }
 extern "C" __global__ void ss_res_gather_b8(const unsigned long long* a, unsigned long long* b, const int* p,
-        const int* c, long long row, int n, int s, int period, int ahead, long long total, int spe) {
-    gather(a, b, p, c, row, n, s, period, ahead, total, spe);
+        const int* c, long long row, int n, int s, int period, int ahead, long long total, int spe, int h) {
+    gather(a, b, p, c, row, n, s, period, ahead, total, spe, h);
 }
 
 template <typename T>
@@ -68,12 +69,25 @@ extern "C" __global__ void ss_res_next(int* cnt) { cnt[0] += 1; }
 """
 
 
+ORDERS_BYTES = 64 << 20
+"""The sample orders of every epoch of a run are uploaded at its start when they take at most
+this many bytes (int32 [epochs, steps_per_epoch * batch]); else two rows are held, and each
+epoch's end uploads a later epoch's order (cuda/epoch.EpochEnds.set_order)."""
+
+
+def order_rows(spe: int, batch: int, steps: int) -> int:
+    """Rows of the permutation: every epoch of the run (a prefetch past its end reads the last
+    epoch), or 2 when that would exceed ORDERS_BYTES."""
+    epochs = -(-max(int(steps), 1) // max(int(spe), 1))
+    return epochs if epochs > 2 and 4 * epochs * spe * batch <= ORDERS_BYTES else 2
+
+
 def resident_bytes(x: np.ndarray, y: np.ndarray, x_dtype, y_dtype, batch: int, spe: int, steps: int,
                    scalars: int) -> int:
     """Device bytes ResidentData needs for training samples x, labels y (cast to the model's
     dtypes), `spe` steps of `batch` per epoch, a run of `steps` steps and `scalars` tables."""
-    return (x.size * np.dtype(x_dtype).itemsize + y.size * np.dtype(y_dtype).itemsize + 8 * spe * batch
-            + 8 * max(steps, 1) * scalars)
+    return (x.size * np.dtype(x_dtype).itemsize + y.size * np.dtype(y_dtype).itemsize
+            + 4 * order_rows(spe, batch, steps) * spe * batch + 8 * max(steps, 1) * scalars)
 
 
 class ResidentData:
@@ -87,11 +101,12 @@ class ResidentData:
     def __init__(self, rp: ResidentPlan, x: np.ndarray, y: np.ndarray, feat: str, batch: int, spe: int, steps: int):
         cp = self.cp = cupy_module()
         self.rp, self.feat, self.batch, self.spe, self.steps = rp, feat, int(batch), int(spe), max(int(steps), 1)
+        self.halves = order_rows(self.spe, self.batch, self.steps)
         self.stream = cp.cuda.Stream(non_blocking=True)  # uploads and fills: never the legacy stream
         with self.stream:
             self.x = cp.asarray(np.ascontiguousarray(x))
             self.y = cp.asarray(np.ascontiguousarray(y))
-            self.perm = cp.zeros((2, self.spe * self.batch), dtype=cp.int32)
+            self.perm = cp.zeros((self.halves, self.spe * self.batch), dtype=cp.int32)
         self.stream.synchronize()
         self.tables: dict[str, Any] = {}
         self.counters: dict[int, Any] = {}
@@ -125,7 +140,7 @@ class ResidentData:
                 with ctx.stream(stream):
                     fn(((n + 255) // 256,), (256,), (src, dst, self.perm, cnt, np.int64(row), np.int32(self.batch),
                                                      np.int32(g.step), np.int32(period), np.int32(g.ahead),
-                                                     np.int64(self.steps), np.int32(self.spe)))
+                                                     np.int64(self.steps), np.int32(self.spe), np.int32(self.halves)))
                     self.nexts((1,), (1,), (cnt,))
             return gather_cuda
 
@@ -160,7 +175,7 @@ class ResidentData:
         permutation.  The device must be idle for that half: the loop calls it before the run,
         and at the start of an epoch for the next one (the half of the epoch before, finished)."""
         n = self.spe * self.batch
-        self.perm[e % 2].set(np.ascontiguousarray(np.asarray(order)[:n], dtype=np.int32), stream=self.stream)
+        self.perm[e % self.halves].set(np.ascontiguousarray(np.asarray(order)[:n], dtype=np.int32), stream=self.stream)
         self.stream.synchronize()
 
     def reset(self) -> None:

@@ -95,6 +95,7 @@ class CudaRunner:
         # slot s of the graph is loop step (segs.steps - period) + s modulo the period
         g = EpochGraph(self.ex, units, segs.steps - period, ends, home, self.ends)
         g.loop.set(np.array([start, 0], dtype=np.int32))
+        self.ex.cp.cuda.Device().synchronize()
         self.graph = g
         return g
 

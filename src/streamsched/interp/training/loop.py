@@ -298,8 +298,8 @@ class Run:
         if self.resident is not None:  # the per-step scalars as host_fn would write them, the first two epochs
             base = self.base_step
             self.resident.fill_scalars(lambda name, j: self.lr_sched(base + j) if name == "lr" else float(base + j + 1))
-            self.upload_order(0)
-            self.upload_order(1)
+            for e in range(self.resident.halves if self.resident.halves > 2 else 2):  # every epoch's, or two
+                self.upload_order(e)
         self.evaluator = make_evaluator(runner, self.program, self.ds.x_test, self.ds.y_test, self.ck.saved,
                                         self.echo)
         self.result.eval_on = self.evaluator.where
@@ -375,8 +375,8 @@ class Run:
         """Device-resident data: the order epoch e's end uploads (this run's epoch two later),
         or None (`cuda.epoch.EpochEnds.set_order`)."""
         i = e - self.start_epoch + 2
-        if self.resident is None or i >= self.epochs - self.start_epoch:
-            return None
+        if self.resident is None or self.resident.halves > 2 or i >= self.epochs - self.start_epoch:
+            return None  # (every epoch's order was uploaded at the start)
         return self.dp.batches.order(self.start_epoch + i)
 
     def issue_end(self, runner, evaluate: bool, snapshot: bool, order):
@@ -548,11 +548,12 @@ class Run:
                 self.best = rec["train_loss"] if self.best is None else min(self.best, rec["train_loss"])
             if isinstance(rec.get("test_acc"), float) and math.isfinite(rec["test_acc"]):
                 self.best_acc = rec["test_acc"] if self.best_acc is None else max(self.best_acc, rec["test_acc"])
-        with _signals_deferred():  # the checkpoint and its log line: both, or an interrupt before both
-            if self.ck.save is not None and whole:  # only a whole epoch: a resume restarts at the next one
-                self.ck.write(e + 1, params, self.checkpoint_meta(e + 1, step),
-                              self.log.path if self.log is not None else None)
-            self.write_log(rec)
+        if (self.ck.save is not None and whole) or self.runlog is not None:
+            with _signals_deferred():  # the checkpoint and its log line: both, or an interrupt before both
+                if self.ck.save is not None and whole:  # only a whole epoch: a resume restarts at the next one
+                    self.ck.write(e + 1, params, self.checkpoint_meta(e + 1, step),
+                                  self.log.path if self.log is not None else None)
+                self.write_log(rec)
         if "test_acc" in rec:
             self.progress.postfix(epoch=e + 1, loss=f"{rec['train_loss']:.4f}", acc=f"{rec['test_acc']:.3f}")
         if self.opts.progress:

@@ -413,6 +413,9 @@ def _build(base: str, cols):
     k = len(ptrs)
     part = cp.zeros(max(1, len(bt)), cp.float64) if base == "grad_sumsq" else None  # phase-1 sums
     entry = (dev[:k], dev[k:k + n], btens, dev[k + n:], len(bt), n, part)
+    cur = cp.cuda.get_current_stream()
+    if not cur.is_capturing():  # the uploads finished before a kernel on another stream reads them
+        cur.synchronize()
     _TABLES[key] = entry
     return entry
 
