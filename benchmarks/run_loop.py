@@ -257,6 +257,9 @@ def main() -> None:
         try:
             out[name] = run_streamsched(name, args.epochs, modes)
         except Exception as exc:  # report, go on with the others
+            import traceback
+
+            traceback.print_exc()
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(name, json.dumps(out[name]), flush=True)
     for name in [n for n in args.torch.split(",") if n]:

@@ -152,6 +152,7 @@ class CudaExecutor:
         self._fork = self.ctx.make_events(1)[0]
         self._join = {s: ev for s, ev in zip(self.ctx.names, self.ctx.make_events(len(self.ctx.names)))}
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
+        self.sync_warmup = os.environ.get("STREAMSCHED_SYNC_WARMUP", "1") != "0"
         self._host_waited = {i.event for i in plan.instrs if i.op == "wait" and i.stream == HOST}
         self.accumulator = None
         if accumulate is not None and accumulate in self.arrays and str(self.arrays[accumulate].dtype) in (
@@ -548,11 +549,14 @@ class CudaExecutor:
         pool = cp.cuda.MemoryPool()
         with cp.cuda.using_allocator(pool.malloc):
             # Warm-up: every kernel once, eagerly, on scratch buffers, under the graph's pool.
+            # Each task is waited for, so a fault names its task (the warm-up runs once per graph).
             with home:
                 for ti in tasks:
                     sb = scratch[ti]
                     try:
                         sb.fn(ctx, home_name, sb.ins, sb.outs, sb.attrs)
+                        if self.sync_warmup:
+                            home.synchronize()
                     except Exception as exc:
                         raise CudaTaskError(f"{type(exc).__name__}: {exc}", task=sb.task,
                                             unit=unit, phase="warmup") from exc
