@@ -30,7 +30,9 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.sched")))
 def _recount(schedule) -> int:
     """Tasks the rule folds away, counted independently: adjacent tasks of one fusible kernel,
     stream, unit, step, launch and attributes (fill's shape and dtype aside), sharing the shared
-    scalars, each with tensors of its own."""
+    scalars, each with tensors of its own; the GEMM epilogues forward, and backward (a GEMM, its
+    activation gradient next, the bias gradient the first later sum of that, nothing between
+    touching what it reads or writes; relu only where the forward relu fused)."""
     def sig(t):
         si, so = FUSIBLE[t.kernel]
         at = tuple(sorted((k, v) for k, v in t.attrs if not (t.kernel == "fill" and k in ("shape", "dtype"))))
@@ -47,6 +49,7 @@ def _recount(schedule) -> int:
     for t in tasks:
         for a in t.args:
             readers.setdefault(a, set()).add(t.kernel)
+    relu_out = set()
     for i in range(len(tasks) - 2):
         a, b, c = tasks[i:i + 3]
         if a.kernel == "matmul" and not any(v for _, v in a.attrs) and b.kernel == "add" and c.kernel in ("relu", "gelu") \
@@ -54,6 +57,32 @@ def _recount(schedule) -> int:
                 and (c.kernel == "gelu" or readers[b.outs[0]] == {"relu"}) and len(set((u.unit, u.step) for u in (a, b, c))) == 1 \
                 and (schedule.policy != "explicit" or a.stream == b.stream == c.stream):
             folded += 2
+            if c.kernel == "relu":
+                relu_out.add(c.outs[0])
+    writers = {}
+    for t in tasks:
+        for o in t.outs:
+            writers.setdefault(o, set()).add(t.kernel)
+    reach = -1
+    for i in range(len(tasks) - 2):
+        a, b = tasks[i], tasks[i + 1]
+        if i <= reach or a.kernel != "matmul" or b.kernel not in ("relu_grad", "gelu_grad") or b.args[0] != a.outs[0] \
+                or readers[a.outs[0]] != {b.kernel} or (a.unit, a.step, a.launch) != (b.unit, b.step, b.launch):
+            continue
+        if b.kernel == "relu_grad" and (b.args[1] not in relu_out or writers[b.args[1]] != {"relu"}):
+            continue
+        later = [j for j in range(i + 2, len(tasks)) if b.outs[0] in tasks[j].args and tasks[j].kernel == "sum"]
+        if not later or tasks[later[0]].attr("axis") != 0:
+            continue
+        c = tasks[later[0]]
+        if (c.unit, c.step, c.launch) != (a.unit, a.step, a.launch) or (schedule.policy == "explicit" and
+                                                                         not a.stream == b.stream == c.stream):
+            continue
+        between = tasks[i + 2:later[0]]
+        if any(set(u.outs) & {b.outs[0], c.outs[0]} or c.outs[0] in u.args for u in between):
+            continue
+        folded += 2
+        reach = later[0]
     for t in schedule.tasks:
         if t.id in pairs:
             continue
@@ -90,28 +119,57 @@ def test_fused_tasks_have_the_union_of_their_parts_accesses_and_keep_order():
     c = compile_file(os.path.join(ROOT, "examples", "mlp_digits.sched"), fuse=False)
     s = c.schedule
     f = fuse_tasks(s, c.program.kernels)
+    hoisted: set[int] = set()  # the bias-gradient sums a backward epilogue took from further on
     it = iter(s.tasks)
+
+    def nxt():
+        u = next(it)
+        while u.id in hoisted:
+            u = next(it)
+        return u
+
+    masks = {b.name for b in f.buffers} - {b.name for b in s.buffers}
+    assert masks and all(next(b for b in f.buffers if b.name == m).dtype == "u8" for m in masks)
+    written = set()
+    n_bwd = 0
     for t in f.tasks:
-        if t.kernel in ("gemm_bias_relu", "gemm_bias_gelu"):
-            a, b, act = next(it), next(it), next(it)
-            assert (a.kernel, b.kernel, act.kernel) == ("matmul", "add", t.kernel[-4:])
-            assert t.args == a.args + b.args[1:] and t.outs == (b.outs if act.kernel == "gelu" else ()) + act.outs
+        if t.kernel in ("gemm_bias_relu", "gemm_bias_relu_aux", "gemm_bias_gelu"):
+            a, b, act = nxt(), nxt(), nxt()
+            assert (a.kernel, b.kernel, act.kernel) == ("matmul", "add", t.kernel.split("_")[2])
+            mask = t.outs[1:] if t.kernel == "gemm_bias_relu_aux" else ()
+            assert t.args == a.args + b.args[1:] and t.outs == (b.outs if act.kernel == "gelu" else ()) + act.outs + mask
+            assert set(mask) <= masks
+            written |= set(mask)
+            continue
+        if t.kernel in ("gemm_drelu_bgrad", "gemm_dgelu_bgrad"):
+            a, g = nxt(), nxt()
+            later = [u for u in s.tasks if u.id > g.id and g.outs[0] in u.args and u.kernel == "sum"]
+            assert later, t
+            sm = later[0]
+            hoisted.add(sm.id)
+            assert (a.kernel, g.kernel, sm.kernel) == ("matmul", t.kernel[6:10] + "_grad", "sum")
+            mask = t.args[3:] if t.kernel == "gemm_drelu_bgrad" else ()
+            assert t.args == a.args + g.args[1:] + mask and t.outs == g.outs + sm.outs and sm.args == g.outs
+            assert set(mask) <= written  # the forward of this step wrote it
+            assert dict(t.attrs) == {"ta": bool(a.attr("ta")), "tb": bool(a.attr("tb"))}
+            n_bwd += 1
             continue
         if t.kernel == "softmax_xent_fused":
-            a, b = next(it), next(it)
+            a, b = nxt(), nxt()
             assert (a.kernel, b.kernel) == ("softmax_xent", "softmax_xent_grad")
             assert t.args == a.args + b.args[:1] and t.outs == a.outs + b.outs and b.args[1:] == a.args
             continue
         if t.kernel != "multi_tensor":
-            u = next(it)
+            u = nxt()
             assert (u.kernel, u.args, u.outs, u.stream) == (t.kernel, t.args, t.outs, t.stream)
             continue
         n = len(t.attr("parts"))
-        us = [next(it) for _ in range(n)]
+        us = [nxt() for _ in range(n)]
         assert all(u.kernel == t.attr("base") for u in us)
         assert t.args == tuple(a for u in us for a in u.args) and t.outs == tuple(o for u in us for o in u.outs)
         assert t.attr("parts") == tuple((len(u.args), len(u.outs), u.attrs) for u in us)
     assert next(it, None) is None
+    assert n_bwd == 2 * s.steps  # both relu layers' dX GEMMs, every step
     assert fuse_tasks(f, c.program.kernels) is f  # nothing left to fuse
 
 
