@@ -26,6 +26,28 @@ backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buf
 their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
 the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
 same with its region-level batched updates on the update stream.
+
+Backward epilogues: a linear's input-gradient GEMM `matmul(dz, w) -> dy` (either transpose flag),
+followed at once by `gelu_grad(dy, pre) -> dpre` or `relu_grad(dy, y) -> dpre`, and the bias
+gradient `sum(dpre, axis=0) -> db` (the first sum of dpre after them, in the same unit, step and
+launch) become one `gemm_dgelu_bgrad(dz, w, pre) -> (dpre, db)` / `gemm_drelu_bgrad(dz, w, y,
+mask) -> (dpre, db)` task at the GEMM's place, on its stream (cuBLASLt's DGELU_BGRAD /
+DRELU_BGRAD), when no other task reads dy or a buffer sharing its bytes (the same fixed point
+as above), dpre and db share no byte with dz, w, the aux or each other, under `barriers =
+explicit` only when all three are on one stream, and never moving a gradient the user placed on
+its stream.  The linear backward forks dW, dB and dX, so the sum comes after the dW GEMM that
+also reads dpre: it is moved up to the fused task over the tasks between, which is the same
+program exactly when none of them writes a byte of dpre or db or reads a byte of db and the sum
+has no `after` on one of them (both required); two fused spans never interleave, so each move
+is checked against the tasks it really passes.  The gelu aux is the pre-activation, a buffer
+the forward keeps anyway.  DRELU_BGRAD needs a bitmask of y > 0, which no task writes: the pass
+fuses a relu backward only when every task writing a byte of y is a fused forward
+`gemm_bias_relu(x, w, b) -> y`, makes each of them `gemm_bias_relu_aux(x, w, b) -> (y, mask)`
+(RELU_AUX_BIAS) and adds the mask to the schedule's buffers (u8 [m, ceil(n/128)*16], a fresh
+byte range after the device arena's end), so the mask is rewritten exactly when y is, and the
+checker sees it written by the forward and read by the backward like any tensor (its RAW and
+WAR orders are y's own).  Accesses stay the union of the parts' (plus the mask): the checker
+proves the fused plan.
 """
 
 from __future__ import annotations
