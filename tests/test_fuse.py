@@ -251,3 +251,163 @@ def test_multi_tensor_cpu_twin_is_its_parts_in_order():
         assert w.tobytes() == w2.tobytes() and v.tobytes() == v2.tobytes()
     with pytest.raises(ValueError):
         KERNELS["multi_tensor"].cpu(ins[:-1], outs, {"base": "sgd_step", "parts": parts})
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward epilogues: matmul -> relu_grad | gelu_grad -> sum(axis 0) into one GEMM
+
+
+MLP = os.path.join(ROOT, "examples", "mlp_digits.sched")
+
+
+def _mlp_text(**swap):
+    with open(MLP, encoding="utf-8") as f:
+        text = f.read()
+    for a, b in swap.items():
+        text = text.replace(a.replace("_", " "), b)
+    return text
+
+
+def _bwd(schedule):
+    """{(step, dX label) : fused task} of the backward epilogues of `schedule`."""
+    return {(t.step, t.label.split(": ")[-1].split(" +")[0]): t for t in schedule.tasks
+            if t.kernel in ("gemm_drelu_bgrad", "gemm_dgelu_bgrad")}
+
+
+def _edit(s, pick, change):
+    """`s` with every task `pick` accepts changed by the fields `change(task)` gives."""
+    from dataclasses import replace
+
+    return replace(s, tasks=tuple(replace(t, **change(t)) if pick(t) else t for t in s.tasks))
+
+
+def test_backward_epilogues_fuse_both_relu_layers_of_the_mlp_every_step():
+    c = compile_file(MLP, fuse=False)
+    f = fuse_tasks(c.schedule, c.program.kernels)
+    got = _bwd(f)
+    assert set(got) == {(s, lab) for s in range(c.schedule.steps)
+                        for lab in ("linear.backward@logits.dx", "linear.backward@h2.dx")}
+    t = got[(0, "linear.backward@logits.dx")]
+    assert t.kernel == "gemm_drelu_bgrad" and t.stream == "comp3" and dict(t.attrs) == {"ta": False, "tb": True}
+    assert t.args == ("d(logits)", "logits.w", "a2", "relu_mask(a2)") and t.outs == ("d(h2)", "grad.h2.b")
+    mask = next(b for b in f.buffers if b.name == "relu_mask(a2)")
+    assert mask.shape == (128, 256 // 128 * 16) and mask.dtype == "u8" and mask.nbytes == 128 * 32
+    assert not any(mask.overlaps(b) for b in f.buffers if b.name != mask.name)  # a fresh byte range
+    writers = [u for u in f.tasks if "relu_mask(a2)" in u.outs]
+    assert writers and all(u.kernel == "gemm_bias_relu_aux" and u.outs == ("a2", "relu_mask(a2)") for u in writers)
+
+
+def test_a_reader_of_the_gemm_output_elsewhere_keeps_that_layer_unfused():
+    """d(a2) read by one more task (an optimizer part, in one step only): the logits layer's dX
+    GEMM keeps its output in every step (the fixed point), and a2 gets no mask; h2's still fuses."""
+    c = compile_file(MLP, fuse=False)
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step" and t.step == 1)
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("d(a2)",)})
+    f = fuse_tasks(s, c.program.kernels)
+    assert {lab for _, lab in _bwd(f)} == {"linear.backward@h2.dx"}
+    assert "relu_mask(a2)" not in {b.name for b in f.buffers} and "relu_mask(a1)" in {b.name for b in f.buffers}
+
+
+def test_the_bias_gradient_moves_up_only_over_tasks_that_do_not_touch_its_bytes():
+    c = compile_file(MLP, fuse=False)
+    # the dW GEMM between relu_grad and the sum writing db's buffer: the sum cannot pass it
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"),
+              change=lambda t: {"outs": ("grad.h2.b",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # ... or writing dpre (the sum would read the value before it)
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"), change=lambda t: {"outs": ("d(h2)",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # ... or one the sum is ordered after by an `after`
+    dw = {t.step: t.id for t in c.schedule.tasks if t.label.endswith("linear.backward@h2.dw")}
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.db"), change=lambda t: {"after": (dw[t.step],)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # reading db is a conflict too; reading dpre (the dW GEMM does) is not
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"),
+              change=lambda t: {"args": t.args + ("grad.h2.b",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+
+
+def test_relu_fuses_backward_only_where_every_writer_of_y_is_a_fused_forward():
+    c = compile_file(MLP, fuse=False)
+    # h2 read elsewhere: the forward relu of a2 stays unfused, so nothing writes a2's mask
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step")
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("h2",)})
+    f = fuse_tasks(s, c.program.kernels)
+    assert {lab for _, lab in _bwd(f)} == {"linear.backward@h2.dx"}
+    assert not any("relu_mask(a2)" in t.outs for t in f.tasks)
+
+
+@pytest.mark.parametrize("place,fuses", [
+    ("place relu.backward on comp2", set()),
+    ("place linear.backward.db on comp2", set()),
+    ("place linear.backward.db on comp3", {"linear.backward@h2.dx", "linear.backward@logits.dx"}),
+])
+def test_a_gradient_the_user_placed_on_another_stream_is_never_moved(place, fuses):
+    """`place` of the activation's backward or of the bias gradient on a stream other than the
+    dX GEMM's keeps them apart; placed on the GEMM's own stream, nothing moves and they fuse."""
+    text = _mlp_text().replace("\ntrain {", f"\n{place}\n\ntrain {{")
+    c = compile_file("gen.sched", text)
+    assert c.ok
+    assert {lab for _, lab in _bwd(c.schedule)} == fuses
+    if not fuses:
+        assert any(t.kernel == "relu_grad" for t in c.schedule.tasks)
+
+
+def test_explicit_policy_fuses_the_backward_only_on_one_stream():
+    """Under `barriers = explicit` the user orders the streams: the GELU layers' dX GEMM and
+    gelu_grad (comp3) and the bias sum (comp2) stay apart; all on one stream, they fuse."""
+    text = _mlp_text(**{"relu(h1)": "gelu(h1)", "relu(h2)": "gelu(h2)"})
+    assert _bwd(compile_file("gen.sched", text, policy="auto").schedule)
+    c = compile_file("gen.sched", text, policy="explicit", fuse=False)
+    assert c.schedule.policy == "explicit"
+    f = fuse_tasks(c.schedule, c.program.kernels)
+    assert not _bwd(f)
+    # every task on one stream: the user's order is the issue order, and the backward fuses
+    one = _edit(c.schedule, lambda t: t.stream != HOST, lambda t: {"stream": "comp1"})
+    assert _bwd(fuse_tasks(one, c.program.kernels))
+    # the dX GEMM and gelu_grad on one stream, the sum on another: still apart
+    two = _edit(one, lambda t: t.kernel == "sum", lambda t: {"stream": "comp2"})
+    assert not _bwd(fuse_tasks(two, c.program.kernels))
+
+
+def test_a_gelu_mlp_fuses_forward_and_backward_and_trains_bitwise_the_unfused():
+    text = _mlp_text(**{"relu(h1)": "gelu(h1)", "relu(h2)": "gelu(h2)"})
+    fused, plain = compile_file("gen.sched", text), compile_file("gen.sched", text, fuse=False)
+    assert fused.ok and plain.ok
+    kinds = {t.kernel for t in fused.schedule.tasks}
+    assert {"gemm_bias_gelu", "gemm_dgelu_bgrad"} <= kinds and "gelu_grad" not in kinds and "relu_mask" not in \
+        "".join(b.name for b in fused.schedule.buffers)
+    want = outcome(plain, max_steps=4)
+    for how, got in interleavings(fused, max_steps=4):
+        assert got[1] == (), how
+        assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_backward_epilogue_cpu_twins_are_their_parts_in_order(act, ta, tb):
+    """Bitwise the unfused matmul, activation gradient and sum; the relu mask against an
+    independent unpacking of its bits (row r, bit j of byte j // 8, little-endian)."""
+    rng = np.random.default_rng(5)
+    m, k, n = 7, 5, 131
+    x, w, b = rng.standard_normal((m, 9)), rng.standard_normal((9, n)), rng.standard_normal(n)
+    dz = rng.standard_normal((k, m) if ta else (m, k))
+    wb = rng.standard_normal((n, k) if tb else (k, n))
+    pre = np.empty((m, n))
+    KERNELS["gemm_bias_gelu"].cpu([x, w, b], [pre, np.empty((m, n))], {})
+    y, mask = np.empty((m, n)), np.zeros((m, 32), np.uint8)
+    KERNELS["gemm_bias_relu_aux"].cpu([x, w, b], [y, mask], {})
+    for r in range(m):
+        for j in range(256):
+            bit = (int(mask[r, j // 8]) >> (j % 8)) & 1
+            assert bit == (j < n and y[r, j] > 0)
+    aux = y if act == "relu" else pre
+    t = np.empty((m, n))
+    KERNELS["matmul"].cpu([dz, wb], [t], {"ta": ta, "tb": tb})
+    want_d, want_b = np.empty((m, n)), np.empty(n)
+    KERNELS[f"{act}_grad"].cpu([t, aux], [want_d], {})
+    KERNELS["sum"].cpu([want_d], [want_b], {"axis": 0})
+    got_d, got_b = np.full((m, n), np.nan), np.full(n, np.nan)
+    ins = [dz, wb, aux] + ([mask] if act == "relu" else [])
+    KERNELS[f"gemm_d{act}_bgrad"].cpu(ins, [got_d, got_b], {"ta": ta, "tb": tb})
+    assert got_d.tobytes() == want_d.tobytes() and got_b.tobytes() == want_b.tobytes()
