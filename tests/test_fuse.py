@@ -78,6 +78,8 @@ def _recount(schedule) -> int:
         if (c.unit, c.step, c.launch) != (a.unit, a.step, a.launch) or (schedule.policy == "explicit" and
                                                                          not a.stream == b.stream == c.stream):
             continue
+        if any(u.site is not None and u.site.placed and u.stream != a.stream for u in (b, c)):
+            continue  # the user's stream for it (five_streams writes its linear.backward out)
         between = tasks[i + 2:later[0]]
         if any(set(u.outs) & {b.outs[0], c.outs[0]} or c.outs[0] in u.args for u in between):
             continue
