@@ -413,3 +413,147 @@ def test_backward_epilogue_cpu_twins_are_their_parts_in_order(act, ta, tb):
     ins = [dz, wb, aux] + ([mask] if act == "relu" else [])
     KERNELS[f"gemm_d{act}_bgrad"].cpu(ins, [got_d, got_b], {"ta": ta, "tb": tb})
     assert got_d.tobytes() == want_d.tobytes() and got_b.tobytes() == want_b.tobytes()
+
+
+class _FakeLt:
+    """nvmath's cublasLt bindings as far as gemm.py's epilogues call them, recording every
+    descriptor attribute and layout (CPU: no GPU here to check the descriptors on)."""
+
+    def __init__(self):
+        import enum
+
+        self.attrs, self.layouts, self.calls = {}, [], []
+        self.MatmulDescAttribute = enum.IntEnum("A", "TRANSA TRANSB EPILOGUE BIAS_POINTER EPILOGUE_AUX_POINTER "
+                                                     "EPILOGUE_AUX_LD")
+        self.MatmulPreferenceAttribute = enum.IntEnum("P", "MAX_WORKSPACE_BYTES MIN_ALIGNMENT_A_BYTES "
+                                                           "MIN_ALIGNMENT_B_BYTES MIN_ALIGNMENT_C_BYTES MIN_ALIGNMENT_D_BYTES")
+
+    def matmul_desc_create(self, compute, scale):
+        self.attrs = {"compute": compute}
+        return 11
+
+    def matmul_desc_set_attribute(self, desc, attr, ptr, size):
+        import ctypes
+
+        raw = ctypes.string_at(ptr, size)
+        self.attrs[self.MatmulDescAttribute(attr).name] = int.from_bytes(raw, "little")
+
+    def matrix_layout_create(self, r, rows, cols, ld):
+        self.layouts.append((rows, cols, ld))
+        return len(self.layouts)
+
+    def matmul_preference_create(self):
+        return 5
+
+    def matmul_preference_set_attribute(self, *a):
+        pass
+
+    def matmul_algo_get_heuristic(self, handle, desc, la, lb, lc, ld, pref, n, res, count):
+        import ctypes
+
+        ctypes.c_int32.from_address(count).value = 1
+
+    def matmul(self, *a):
+        self.calls.append(a)
+
+    def matrix_layout_destroy(self, h):
+        pass
+
+    def matmul_preference_destroy(self, h):
+        pass
+
+    def matmul_desc_destroy(self, h):
+        pass
+
+
+class _FakeArray:
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype=np.float32):
+        from types import SimpleNamespace
+
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.flags = SimpleNamespace(c_contiguous=True)
+        self.data = SimpleNamespace(ptr=self._next[0])
+        self._next[0] += 1 << 20
+
+
+class _FakeCtx:
+    def lt_handle(self, s):
+        return 3, 4096, 1 << 22
+
+    def stream_ptr(self, s):
+        return 99
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False), (True, True)])
+def test_cublaslt_descriptors_are_the_layouts_the_gemm_comment_derives(monkeypatch, ta, tb):
+    """The backward's row-major op(dz) [m, p] @ op(w) [p, n] as cuBLASLt's column-major
+    D^T = op(w)^T op(dz)^T: A = w with TRANSA = tb, B = dz with TRANSB = ta, a row-major buffer
+    [r, c] laid out (c, r, ld c), D (n, m, n); DRELU_BGRAD 152 / DGELU_BGRAD 208 (cublasLt.h), the
+    bias pointer db, the aux pointer the mask (ld ceil(n/128)*128 bits) / pre (ld n); and the
+    forward's RELU_AUX_BIAS 134 with the mask, GELU_AUX_BIAS 164, RELU_BIAS 6 as before."""
+    import sys
+    import types
+
+    from streamsched.stdlib.kernels import gemm
+
+    lt = _FakeLt()
+    mod = types.ModuleType("nvmath.bindings.cublasLt")
+    for k in dir(lt):
+        if not k.startswith("__"):
+            setattr(mod, k, getattr(lt, k))
+    pkg, sub = types.ModuleType("nvmath"), types.ModuleType("nvmath.bindings")
+    pkg.bindings, sub.cublasLt = sub, mod
+    monkeypatch.setitem(sys.modules, "nvmath", pkg)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings", sub)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublasLt", mod)
+    monkeypatch.setattr(gemm, "_LT_PLANS", {})
+    monkeypatch.setattr(gemm, "_LT_MASKS", {})
+    m, p, n = 128, 10, 200
+    dz = _FakeArray((p, m) if ta else (m, p))
+    w = _FakeArray((n, p) if tb else (p, n))
+    dpre, db, pre = _FakeArray((m, n)), _FakeArray((n,)), _FakeArray((m, n))
+    y, mask = _FakeArray((m, n)), _FakeArray((m, 32), np.uint8)
+    x, wf, bf = _FakeArray((m, 16)), _FakeArray((16, n)), _FakeArray((n,))
+    ctx = _FakeCtx()
+    gemm.gemm_bias_relu_aux_cuda.prepare(ctx, "s0", [x, wf, bf], [y, mask], {})
+    assert lt.attrs["EPILOGUE"] == 134 and lt.attrs["EPILOGUE_AUX_POINTER"] == mask.data.ptr
+    assert lt.attrs["EPILOGUE_AUX_LD"] == 256 and lt.attrs["BIAS_POINTER"] == bf.data.ptr
+    assert (lt.attrs["TRANSA"], lt.attrs["TRANSB"]) == (0, 0) and lt.layouts[-3:] == [(n, 16, n), (16, m, 16), (n, m, n)]
+    assert gemm._LT_MASKS == {mask.data.ptr: True}
+    gemm.gemm_bias_relu_cuda.prepare(ctx, "s0", [x, wf, bf], [y], {})
+    assert lt.attrs["EPILOGUE"] == 6 and "EPILOGUE_AUX_POINTER" not in lt.attrs and lt.layouts[-1] == (n, m, n)
+    gemm.gemm_bias_gelu_cuda.prepare(ctx, "s0", [x, wf, bf], [pre, y], {})
+    assert lt.attrs["EPILOGUE"] == 164 and lt.attrs["EPILOGUE_AUX_POINTER"] == pre.data.ptr
+    assert lt.attrs["EPILOGUE_AUX_LD"] == n and lt.layouts[-3:] == [(n, 16, n), (16, m, 16), (n, m, n)]
+    for act, aux in (("relu", mask), ("gelu", pre)):
+        fn = gemm.gemm_drelu_bgrad_cuda if act == "relu" else gemm.gemm_dgelu_bgrad_cuda
+        ins = [dz, w, y, mask] if act == "relu" else [dz, w, pre]
+        if act == "gelu":
+            n8 = _FakeArray((m, n))  # n = 200 is a multiple of 8
+            ins[2] = aux = n8
+        fn(ctx, "s1", ins, [dpre, db], {"ta": ta, "tb": tb})
+        a = lt.attrs
+        assert a["EPILOGUE"] == (152 if act == "relu" else 208), act
+        assert (a["TRANSA"], a["TRANSB"]) == (int(tb), int(ta))
+        assert a["BIAS_POINTER"] == db.data.ptr and a["EPILOGUE_AUX_POINTER"] == aux.data.ptr
+        assert a["EPILOGUE_AUX_LD"] == (256 if act == "relu" else n)
+        assert lt.layouts[-3:] == [(w.shape[1], w.shape[0], w.shape[1]), (dz.shape[1], dz.shape[0], dz.shape[1]),
+                                   (n, m, n)]
+        call = lt.calls[-1]
+        assert (call[3], call[5], call[8], call[10], call[15]) == (w.data.ptr, dz.data.ptr, dpre.data.ptr,
+                                                                   dpre.data.ptr, 99)
+    # op(w)^T op(dz)^T really is (op(dz) op(w))^T: the column-major reading of the layouts above
+    rng = np.random.default_rng(0)
+    dzv, wv = rng.standard_normal(dz.shape), rng.standard_normal(w.shape)
+    A = dzv if not ta else dzv.T
+    B = wv if not tb else wv.T
+    cm = lambda buf, t: (buf.T if not t else buf)  # noqa: E731  column-major view of a row-major buffer, op applied
+    np.testing.assert_allclose(cm(wv, tb) @ cm(dzv, ta), (A @ B).T)
+    # a forward that fell back writes no mask: the backward then runs unfused (no cuBLASLt call)
+    gemm._LT_MASKS[mask.data.ptr] = False
+    before = len(lt.calls)
+    monkeypatch.setattr(gemm, "_bwd_unfused", lambda *a: lt.calls.append("unfused"))
+    gemm.gemm_drelu_bgrad_cuda(ctx, "s1", [dz, w, y, mask], [dpre, db], {"ta": ta, "tb": tb})
+    assert lt.calls[before:] == ["unfused"]
