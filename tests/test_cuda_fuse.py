@@ -306,3 +306,124 @@ def test_gemm_epilogues_run_through_cublaslt_on_the_h200(cp, ctx):
         X, W, B = cp.zeros((m, k), cp.float32), cp.zeros((k, n), cp.float32), cp.zeros((n,), cp.float32)
         outs = [cp.zeros((m, n), cp.float32) for _ in (range(2) if act == "gelu" else range(1))]
         assert _lt_plan(ctx, "s0", [X, W, B], outs, act) is not None, act
+
+
+# backward epilogues: the dX GEMM of a linear, dz [m, p] @ w^T (w [n, p]), its activation
+# gradient and the bias gradient; the MLP's (784-1024-1024-10 at 128 and 2048, digits' 256 wide),
+# the GPT's FFN (n = 4d) and an odd case cuBLASLt may refuse (the fallback, said once)
+BWD = [(128, 1024, 1024), (2048, 1024, 1024), (128, 10, 1024), (128, 10, 256), (1024, 64, 256), (5, 3, 8)]
+
+
+def _bwd_case(cp, ctx, act, m, p, n, ta=False, tb=True):
+    """Device inputs of one backward epilogue (the relu mask made by the device forward) and the
+    NumPy twin's outputs on the same y / pre."""
+    from streamsched.stdlib.kernels.gemm import _mask_ld, gemm_bias_relu_aux_cuda
+
+    rng = np.random.default_rng(13)
+    dz = rng.standard_normal((p, m) if ta else (m, p)).astype(np.float32)
+    w = (rng.standard_normal((n, p) if tb else (p, n)) / np.sqrt(p)).astype(np.float32)
+    if act == "relu":
+        x = rng.standard_normal((m, 16)).astype(np.float32)
+        wf = (rng.standard_normal((16, n)) / 4).astype(np.float32)
+        bf = rng.standard_normal(n).astype(np.float32)
+        X, WF, BF = cp.asarray(x), cp.asarray(wf), cp.asarray(bf)
+        Y, MASK = cp.zeros((m, n), cp.float32), cp.zeros((m, _mask_ld(n) // 8), cp.uint8)
+        gemm_bias_relu_aux_cuda.prepare(ctx, "s0", [X, WF, BF], [Y, MASK], {})
+        gemm_bias_relu_aux_cuda(ctx, "s0", [X, WF, BF], [Y, MASK], {})
+        ctx.stream("s0").synchronize()
+        y = cp.asnumpy(Y)
+        bits = np.zeros((m, _mask_ld(n)), bool)
+        bits[:, :n] = y > 0
+        mask = np.packbits(bits, axis=1, bitorder="little")  # the CPU twin's layout, from the device's y
+        ins, dev = [dz, w, y, mask], [cp.asarray(dz), cp.asarray(w), Y, MASK]
+    else:
+        pre = (rng.standard_normal((m, n)) * 2).astype(np.float32)
+        ins = [dz, w, pre]
+        dev = [cp.asarray(a) for a in ins]
+    want = [np.empty((m, n), np.float32), np.empty(n, np.float32)]
+    KERNELS[f"gemm_d{act}_bgrad"].cpu(ins, want, {"ta": ta, "tb": tb})
+    return dev, want
+
+
+def _bwd_close(got, want):
+    """dpre within 1e-5 of its largest |value|; db within 1e-5 of its column's sum of |dpre|
+    (a sum's rounding grows with the magnitude summed, not with the result)."""
+    d, db = (cp_asnumpy(g) for g in got)
+    wd, wdb = want
+    np.testing.assert_allclose(d, wd, rtol=0, atol=1e-5 * max(1.0, float(np.abs(wd).max())))
+    np.testing.assert_allclose(db, wdb, rtol=0, atol=1e-5 * np.maximum(1.0, np.abs(wd).sum(axis=0)))
+
+
+def cp_asnumpy(a):
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("m,p,n", BWD, ids=str)
+def test_backward_epilogue_matches_the_numpy_twin_and_the_unfused_kernels(cp, ctx, act, m, p, n):
+    """gemm_drelu_bgrad / gemm_dgelu_bgrad through cuBLASLt (DRELU_BGRAD on the device forward's
+    RELU_AUX_BIAS mask, DGELU_BGRAD on pre) or the unfused fallback, against the NumPy twin and
+    against the three unfused CUDA twins, within the tolerances of _bwd_close (f32)."""
+    from streamsched.stdlib.kernels.gemm import _LT_PLANS, _bwd_unfused, gemm_dgelu_bgrad_cuda, gemm_drelu_bgrad_cuda
+
+    dev, want = _bwd_case(cp, ctx, act, m, p, n)
+    fn = gemm_drelu_bgrad_cuda if act == "relu" else gemm_dgelu_bgrad_cuda
+    at = {"ta": False, "tb": True}
+    outs = [cp.full((m, n), 7, cp.float32), cp.full((n,), 7, cp.float32)]
+    fn.prepare(ctx, "s0", dev, outs, at)
+    fn(ctx, "s0", dev, outs, at)
+    fn(ctx, "s0", dev, outs, at)  # twice: the plan is reused, the result the same
+    plain = [cp.full((m, n), 7, cp.float32), cp.full((n,), 7, cp.float32)]
+    _bwd_unfused(ctx, "s0", dev, plain, "d" + act, at)
+    ctx.stream("s0").synchronize()
+    _bwd_close(outs, want)
+    _bwd_close(plain, want)
+    plan = next((q for kk, q in _LT_PLANS.items() if kk[1] == "d" + act and kk[3] == (m, p) and kk[4] == (n, p)), None)
+    print(f"gemm_d{act}_bgrad {m}x{p}x{n}: {'cuBLASLt' if plan else 'unfused fallback'}")
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (True, True)])
+def test_backward_epilogue_takes_every_transpose(cp, ctx, act, ta, tb):
+    from streamsched.stdlib.kernels.gemm import gemm_dgelu_bgrad_cuda, gemm_drelu_bgrad_cuda
+
+    m, p, n = 256, 128, 512
+    dev, want = _bwd_case(cp, ctx, act, m, p, n, ta, tb)
+    fn = gemm_drelu_bgrad_cuda if act == "relu" else gemm_dgelu_bgrad_cuda
+    outs = [cp.zeros((m, n), cp.float32), cp.zeros((n,), cp.float32)]
+    fn.prepare(ctx, "s0", dev, outs, {"ta": ta, "tb": tb})
+    fn(ctx, "s0", dev, outs, {"ta": ta, "tb": tb})
+    ctx.stream("s0").synchronize()
+    _bwd_close(outs, want)
+
+
+def test_backward_epilogues_run_through_cublaslt_on_the_h200(cp, ctx):
+    """On the H200 every backward epilogue of the MLP and GPT examples' plans (their buffers'
+    shapes, f32) is a cuBLASLt launch, not the fallback: the forward writes the relu mask
+    (RELU_AUX_BIAS planned) and DRELU_BGRAD / DGELU_BGRAD are planned."""
+    from streamsched.pipeline import compile_file
+    from streamsched.stdlib.kernels.gemm import _LT_MASKS, _lt_plan
+
+    seen = set()
+    for ex in ("mlp_digits.sched", "gpt_text.sched"):
+        c = compile_file(os.path.join(ROOT, "examples", ex))
+        bufs = c.schedule.buffer_map()
+
+        def arr(name):
+            b = bufs[name]
+            return cp.zeros(b.shape, cp.uint8 if b.dtype == "u8" else cp.float32)
+
+        arrays = {}
+        for t in c.schedule.tasks:
+            if t.step != 0 or t.kernel not in ("gemm_bias_relu_aux", "gemm_drelu_bgrad", "gemm_dgelu_bgrad"):
+                continue
+            ins = [arrays.setdefault(a, arr(a)) for a in t.args]
+            outs = [arrays.setdefault(o, arr(o)) for o in t.outs]
+            act = {"gemm_bias_relu_aux": "relu_aux", "gemm_drelu_bgrad": "drelu", "gemm_dgelu_bgrad": "dgelu"}[t.kernel]
+            assert _lt_plan(ctx, "s0", ins, outs, act, dict(t.attrs)) is not None, (ex, t.label)
+            if act == "relu_aux":
+                assert _LT_MASKS[outs[1].data.ptr] is True
+            seen.add(act)
+    assert seen == {"relu_aux", "drelu", "dgelu"}

@@ -30,7 +30,9 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.sched")))
 def _recount(schedule) -> int:
     """Tasks the rule folds away, counted independently: adjacent tasks of one fusible kernel,
     stream, unit, step, launch and attributes (fill's shape and dtype aside), sharing the shared
-    scalars, each with tensors of its own."""
+    scalars, each with tensors of its own; the GEMM epilogues forward, and backward (a GEMM, its
+    activation gradient next, the bias gradient the first later sum of that, nothing between
+    touching what it reads or writes; relu only where the forward relu fused)."""
     def sig(t):
         si, so = FUSIBLE[t.kernel]
         at = tuple(sorted((k, v) for k, v in t.attrs if not (t.kernel == "fill" and k in ("shape", "dtype"))))
@@ -47,6 +49,7 @@ def _recount(schedule) -> int:
     for t in tasks:
         for a in t.args:
             readers.setdefault(a, set()).add(t.kernel)
+    relu_out = set()
     for i in range(len(tasks) - 2):
         a, b, c = tasks[i:i + 3]
         if a.kernel == "matmul" and not any(v for _, v in a.attrs) and b.kernel == "add" and c.kernel in ("relu", "gelu") \
@@ -54,6 +57,34 @@ def _recount(schedule) -> int:
                 and (c.kernel == "gelu" or readers[b.outs[0]] == {"relu"}) and len(set((u.unit, u.step) for u in (a, b, c))) == 1 \
                 and (schedule.policy != "explicit" or a.stream == b.stream == c.stream):
             folded += 2
+            if c.kernel == "relu":
+                relu_out.add(c.outs[0])
+    writers = {}
+    for t in tasks:
+        for o in t.outs:
+            writers.setdefault(o, set()).add(t.kernel)
+    reach = -1
+    for i in range(len(tasks) - 2):
+        a, b = tasks[i], tasks[i + 1]
+        if i <= reach or a.kernel != "matmul" or b.kernel not in ("relu_grad", "gelu_grad") or b.args[0] != a.outs[0] \
+                or readers[a.outs[0]] != {b.kernel} or (a.unit, a.step, a.launch) != (b.unit, b.step, b.launch):
+            continue
+        if b.kernel == "relu_grad" and (b.args[1] not in relu_out or writers[b.args[1]] != {"relu"}):
+            continue
+        later = [j for j in range(i + 2, len(tasks)) if b.outs[0] in tasks[j].args and tasks[j].kernel == "sum"]
+        if not later or tasks[later[0]].attr("axis") != 0:
+            continue
+        c = tasks[later[0]]
+        if (c.unit, c.step, c.launch) != (a.unit, a.step, a.launch) or (schedule.policy == "explicit" and
+                                                                         not a.stream == b.stream == c.stream):
+            continue
+        if any(u.site is not None and u.site.placed and u.stream != a.stream for u in (b, c)):
+            continue  # the user's stream for it (five_streams writes its linear.backward out)
+        between = tasks[i + 2:later[0]]
+        if any(set(u.outs) & {b.outs[0], c.outs[0]} or c.outs[0] in u.args for u in between):
+            continue
+        folded += 2
+        reach = later[0]
     for t in schedule.tasks:
         if t.id in pairs:
             continue
@@ -90,28 +121,57 @@ def test_fused_tasks_have_the_union_of_their_parts_accesses_and_keep_order():
     c = compile_file(os.path.join(ROOT, "examples", "mlp_digits.sched"), fuse=False)
     s = c.schedule
     f = fuse_tasks(s, c.program.kernels)
+    hoisted: set[int] = set()  # the bias-gradient sums a backward epilogue took from further on
     it = iter(s.tasks)
+
+    def nxt():
+        u = next(it)
+        while u.id in hoisted:
+            u = next(it)
+        return u
+
+    masks = {b.name for b in f.buffers} - {b.name for b in s.buffers}
+    assert masks and all(next(b for b in f.buffers if b.name == m).dtype == "u8" for m in masks)
+    written = set()
+    n_bwd = 0
     for t in f.tasks:
-        if t.kernel in ("gemm_bias_relu", "gemm_bias_gelu"):
-            a, b, act = next(it), next(it), next(it)
-            assert (a.kernel, b.kernel, act.kernel) == ("matmul", "add", t.kernel[-4:])
-            assert t.args == a.args + b.args[1:] and t.outs == (b.outs if act.kernel == "gelu" else ()) + act.outs
+        if t.kernel in ("gemm_bias_relu", "gemm_bias_relu_aux", "gemm_bias_gelu"):
+            a, b, act = nxt(), nxt(), nxt()
+            assert (a.kernel, b.kernel, act.kernel) == ("matmul", "add", t.kernel.split("_")[2])
+            mask = t.outs[1:] if t.kernel == "gemm_bias_relu_aux" else ()
+            assert t.args == a.args + b.args[1:] and t.outs == (b.outs if act.kernel == "gelu" else ()) + act.outs + mask
+            assert set(mask) <= masks
+            written |= set(mask)
+            continue
+        if t.kernel in ("gemm_drelu_bgrad", "gemm_dgelu_bgrad"):
+            a, g = nxt(), nxt()
+            later = [u for u in s.tasks if u.id > g.id and g.outs[0] in u.args and u.kernel == "sum"]
+            assert later, t
+            sm = later[0]
+            hoisted.add(sm.id)
+            assert (a.kernel, g.kernel, sm.kernel) == ("matmul", t.kernel[6:10] + "_grad", "sum")
+            mask = t.args[3:] if t.kernel == "gemm_drelu_bgrad" else ()
+            assert t.args == a.args + g.args[1:] + mask and t.outs == g.outs + sm.outs and sm.args == g.outs
+            assert set(mask) <= written  # the forward of this step wrote it
+            assert dict(t.attrs) == {"ta": bool(a.attr("ta")), "tb": bool(a.attr("tb"))}
+            n_bwd += 1
             continue
         if t.kernel == "softmax_xent_fused":
-            a, b = next(it), next(it)
+            a, b = nxt(), nxt()
             assert (a.kernel, b.kernel) == ("softmax_xent", "softmax_xent_grad")
             assert t.args == a.args + b.args[:1] and t.outs == a.outs + b.outs and b.args[1:] == a.args
             continue
         if t.kernel != "multi_tensor":
-            u = next(it)
+            u = nxt()
             assert (u.kernel, u.args, u.outs, u.stream) == (t.kernel, t.args, t.outs, t.stream)
             continue
         n = len(t.attr("parts"))
-        us = [next(it) for _ in range(n)]
+        us = [nxt() for _ in range(n)]
         assert all(u.kernel == t.attr("base") for u in us)
         assert t.args == tuple(a for u in us for a in u.args) and t.outs == tuple(o for u in us for o in u.outs)
         assert t.attr("parts") == tuple((len(u.args), len(u.outs), u.attrs) for u in us)
     assert next(it, None) is None
+    assert n_bwd == 2 * s.steps  # both relu layers' dX GEMMs, every step
     assert fuse_tasks(f, c.program.kernels) is f  # nothing left to fuse
 
 
@@ -193,3 +253,307 @@ def test_multi_tensor_cpu_twin_is_its_parts_in_order():
         assert w.tobytes() == w2.tobytes() and v.tobytes() == v2.tobytes()
     with pytest.raises(ValueError):
         KERNELS["multi_tensor"].cpu(ins[:-1], outs, {"base": "sgd_step", "parts": parts})
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward epilogues: matmul -> relu_grad | gelu_grad -> sum(axis 0) into one GEMM
+
+
+MLP = os.path.join(ROOT, "examples", "mlp_digits.sched")
+
+
+def _mlp_text(**swap):
+    with open(MLP, encoding="utf-8") as f:
+        text = f.read()
+    for a, b in swap.items():
+        text = text.replace(a.replace("_", " "), b)
+    return text
+
+
+def _bwd(schedule):
+    """{(step, dX label) : fused task} of the backward epilogues of `schedule`."""
+    return {(t.step, t.label.split(": ")[-1].split(" +")[0]): t for t in schedule.tasks
+            if t.kernel in ("gemm_drelu_bgrad", "gemm_dgelu_bgrad")}
+
+
+def _edit(s, pick, change):
+    """`s` with every task `pick` accepts changed by the fields `change(task)` gives."""
+    from dataclasses import replace
+
+    return replace(s, tasks=tuple(replace(t, **change(t)) if pick(t) else t for t in s.tasks))
+
+
+def test_backward_epilogues_fuse_both_relu_layers_of_the_mlp_every_step():
+    c = compile_file(MLP, fuse=False)
+    f = fuse_tasks(c.schedule, c.program.kernels)
+    got = _bwd(f)
+    assert set(got) == {(s, lab) for s in range(c.schedule.steps)
+                        for lab in ("linear.backward@logits.dx", "linear.backward@h2.dx")}
+    t = got[(0, "linear.backward@logits.dx")]
+    assert t.kernel == "gemm_drelu_bgrad" and t.stream == "comp3" and dict(t.attrs) == {"ta": False, "tb": True}
+    assert t.args == ("d(logits)", "logits.w", "a2", "relu_mask(a2)") and t.outs == ("d(h2)", "grad.h2.b")
+    mask = next(b for b in f.buffers if b.name == "relu_mask(a2)")
+    assert mask.shape == (128, 256 // 128 * 16) and mask.dtype == "u8" and mask.nbytes == 128 * 32
+    assert not any(mask.overlaps(b) for b in f.buffers if b.name != mask.name)  # a fresh byte range
+    writers = [u for u in f.tasks if "relu_mask(a2)" in u.outs]
+    assert writers and all(u.kernel == "gemm_bias_relu_aux" and u.outs == ("a2", "relu_mask(a2)") for u in writers)
+
+
+def test_a_reader_of_the_gemm_output_elsewhere_keeps_that_layer_unfused():
+    """d(a2) read by one more task (an optimizer part, in one step only): the logits layer's dX
+    GEMM keeps its output in every step (the fixed point), and a2 gets no mask; h2's still fuses."""
+    c = compile_file(MLP, fuse=False)
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step" and t.step == 1)
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("d(a2)",)})
+    f = fuse_tasks(s, c.program.kernels)
+    assert {lab for _, lab in _bwd(f)} == {"linear.backward@h2.dx"}
+    assert "relu_mask(a2)" not in {b.name for b in f.buffers} and "relu_mask(a1)" in {b.name for b in f.buffers}
+
+
+def test_the_bias_gradient_moves_up_only_over_tasks_that_do_not_touch_its_bytes():
+    c = compile_file(MLP, fuse=False)
+    # the dW GEMM between relu_grad and the sum writing db's buffer: the sum cannot pass it
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"),
+              change=lambda t: {"outs": ("grad.h2.b",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # ... or writing dpre (the sum would read the value before it)
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"), change=lambda t: {"outs": ("d(h2)",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # ... or one the sum is ordered after by an `after`
+    dw = {t.step: t.id for t in c.schedule.tasks if t.label.endswith("linear.backward@h2.dw")}
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.db"), change=lambda t: {"after": (dw[t.step],)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+    # reading db is a conflict too; reading dpre (the dW GEMM does) is not
+    s = _edit(c.schedule, lambda t: t.label.endswith("linear.backward@h2.dw"),
+              change=lambda t: {"args": t.args + ("grad.h2.b",)})
+    assert {lab for _, lab in _bwd(fuse_tasks(s, c.program.kernels))} == {"linear.backward@h2.dx"}
+
+
+def test_relu_fuses_backward_only_where_every_writer_of_y_is_a_fused_forward():
+    c = compile_file(MLP, fuse=False)
+    # h2 read elsewhere: the forward relu of a2 stays unfused, so nothing writes a2's mask
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step")
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("h2",)})
+    f = fuse_tasks(s, c.program.kernels)
+    assert {lab for _, lab in _bwd(f)} == {"linear.backward@h2.dx"}
+    assert not any("relu_mask(a2)" in t.outs for t in f.tasks)
+
+
+@pytest.mark.parametrize("place,fuses", [
+    ("place relu.backward on comp2", set()),
+    ("place linear.backward.db on comp2", set()),
+    ("place linear.backward.db on comp3", {"linear.backward@h2.dx", "linear.backward@logits.dx"}),
+])
+def test_a_gradient_the_user_placed_on_another_stream_is_never_moved(place, fuses):
+    """`place` of the activation's backward or of the bias gradient on a stream other than the
+    dX GEMM's keeps them apart; placed on the GEMM's own stream, nothing moves and they fuse."""
+    text = _mlp_text().replace("\ntrain {", f"\n{place}\n\ntrain {{")
+    c = compile_file("gen.sched", text)
+    assert c.ok
+    assert {lab for _, lab in _bwd(c.schedule)} == fuses
+    if not fuses:
+        assert any(t.kernel == "relu_grad" for t in c.schedule.tasks)
+
+
+def test_explicit_policy_fuses_the_backward_only_on_one_stream():
+    """Under `barriers = explicit` the user orders the streams: the GELU layers' dX GEMM and
+    gelu_grad (comp3) and the bias sum (comp2) stay apart; all on one stream, they fuse."""
+    text = _mlp_text(**{"relu(h1)": "gelu(h1)", "relu(h2)": "gelu(h2)"})
+    assert _bwd(compile_file("gen.sched", text, policy="auto").schedule)
+    c = compile_file("gen.sched", text, policy="explicit", fuse=False)
+    assert c.schedule.policy == "explicit"
+    f = fuse_tasks(c.schedule, c.program.kernels)
+    assert not _bwd(f)
+    # every task on one stream: the user's order is the issue order, and the backward fuses
+    one = _edit(c.schedule, lambda t: t.stream != HOST, lambda t: {"stream": "comp1"})
+    assert _bwd(fuse_tasks(one, c.program.kernels))
+    # the dX GEMM and gelu_grad on one stream, the sum on another: still apart
+    two = _edit(one, lambda t: t.kernel == "sum", lambda t: {"stream": "comp2"})
+    assert not _bwd(fuse_tasks(two, c.program.kernels))
+
+
+def test_a_gelu_mlp_fuses_forward_and_backward_and_trains_bitwise_the_unfused():
+    text = _mlp_text(**{"relu(h1)": "gelu(h1)", "relu(h2)": "gelu(h2)"})
+    fused, plain = compile_file("gen.sched", text), compile_file("gen.sched", text, fuse=False)
+    assert fused.ok and plain.ok
+    kinds = {t.kernel for t in fused.schedule.tasks}
+    assert {"gemm_bias_gelu", "gemm_dgelu_bgrad"} <= kinds and "gelu_grad" not in kinds and "relu_mask" not in \
+        "".join(b.name for b in fused.schedule.buffers)
+    want = outcome(plain, max_steps=4)
+    for how, got in interleavings(fused, max_steps=4):
+        assert got[1] == (), how
+        assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_backward_epilogue_cpu_twins_are_their_parts_in_order(act, ta, tb):
+    """Bitwise the unfused matmul, activation gradient and sum; the relu mask against an
+    independent unpacking of its bits (row r, bit j of byte j // 8, little-endian)."""
+    rng = np.random.default_rng(5)
+    m, k, n = 7, 5, 131
+    x, w, b = rng.standard_normal((m, 9)), rng.standard_normal((9, n)), rng.standard_normal(n)
+    dz = rng.standard_normal((k, m) if ta else (m, k))
+    wb = rng.standard_normal((n, k) if tb else (k, n))
+    pre = np.empty((m, n))
+    KERNELS["gemm_bias_gelu"].cpu([x, w, b], [pre, np.empty((m, n))], {})
+    y, mask = np.empty((m, n)), np.zeros((m, 32), np.uint8)
+    KERNELS["gemm_bias_relu_aux"].cpu([x, w, b], [y, mask], {})
+    for r in range(m):
+        for j in range(256):
+            bit = (int(mask[r, j // 8]) >> (j % 8)) & 1
+            assert bit == (j < n and y[r, j] > 0)
+    aux = y if act == "relu" else pre
+    t = np.empty((m, n))
+    KERNELS["matmul"].cpu([dz, wb], [t], {"ta": ta, "tb": tb})
+    want_d, want_b = np.empty((m, n)), np.empty(n)
+    KERNELS[f"{act}_grad"].cpu([t, aux], [want_d], {})
+    KERNELS["sum"].cpu([want_d], [want_b], {"axis": 0})
+    got_d, got_b = np.full((m, n), np.nan), np.full(n, np.nan)
+    ins = [dz, wb, aux] + ([mask] if act == "relu" else [])
+    KERNELS[f"gemm_d{act}_bgrad"].cpu(ins, [got_d, got_b], {"ta": ta, "tb": tb})
+    assert got_d.tobytes() == want_d.tobytes() and got_b.tobytes() == want_b.tobytes()
+
+
+class _FakeLt:
+    """nvmath's cublasLt bindings as far as gemm.py's epilogues call them, recording every
+    descriptor attribute and layout (CPU: no GPU here to check the descriptors on)."""
+
+    def __init__(self):
+        import enum
+
+        self.attrs, self.layouts, self.calls = {}, [], []
+        self.MatmulDescAttribute = enum.IntEnum("A", "TRANSA TRANSB EPILOGUE BIAS_POINTER EPILOGUE_AUX_POINTER "
+                                                     "EPILOGUE_AUX_LD")
+        self.MatmulPreferenceAttribute = enum.IntEnum("P", "MAX_WORKSPACE_BYTES MIN_ALIGNMENT_A_BYTES "
+                                                           "MIN_ALIGNMENT_B_BYTES MIN_ALIGNMENT_C_BYTES MIN_ALIGNMENT_D_BYTES")
+
+    def matmul_desc_create(self, compute, scale):
+        self.attrs = {"compute": compute}
+        return 11
+
+    def matmul_desc_set_attribute(self, desc, attr, ptr, size):
+        import ctypes
+
+        raw = ctypes.string_at(ptr, size)
+        self.attrs[self.MatmulDescAttribute(attr).name] = int.from_bytes(raw, "little")
+
+    def matrix_layout_create(self, r, rows, cols, ld):
+        self.layouts.append((rows, cols, ld))
+        return len(self.layouts)
+
+    def matmul_preference_create(self):
+        return 5
+
+    def matmul_preference_set_attribute(self, *a):
+        pass
+
+    def matmul_algo_get_heuristic(self, handle, desc, la, lb, lc, ld, pref, n, res, count):
+        import ctypes
+
+        ctypes.c_int32.from_address(count).value = 1
+
+    def matmul(self, *a):
+        self.calls.append(a)
+
+    def matrix_layout_destroy(self, h):
+        pass
+
+    def matmul_preference_destroy(self, h):
+        pass
+
+    def matmul_desc_destroy(self, h):
+        pass
+
+
+class _FakeArray:
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype=np.float32):
+        from types import SimpleNamespace
+
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.flags = SimpleNamespace(c_contiguous=True)
+        self.data = SimpleNamespace(ptr=self._next[0])
+        self._next[0] += 1 << 20
+
+
+class _FakeCtx:
+    def lt_handle(self, s):
+        return 3, 4096, 1 << 22
+
+    def stream_ptr(self, s):
+        return 99
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False), (True, True)])
+def test_cublaslt_descriptors_are_the_layouts_the_gemm_comment_derives(monkeypatch, ta, tb):
+    """The backward's row-major op(dz) [m, p] @ op(w) [p, n] as cuBLASLt's column-major
+    D^T = op(w)^T op(dz)^T: A = w with TRANSA = tb, B = dz with TRANSB = ta, a row-major buffer
+    [r, c] laid out (c, r, ld c), D (n, m, n); DRELU_BGRAD 152 / DGELU_BGRAD 208 (cublasLt.h), the
+    bias pointer db, the aux pointer the mask (ld ceil(n/128)*128 bits) / pre (ld n); and the
+    forward's RELU_AUX_BIAS 134 with the mask, GELU_AUX_BIAS 164, RELU_BIAS 6 as before."""
+    import sys
+    import types
+
+    from streamsched.stdlib.kernels import gemm
+
+    lt = _FakeLt()
+    mod = types.ModuleType("nvmath.bindings.cublasLt")
+    for k in dir(lt):
+        if not k.startswith("__"):
+            setattr(mod, k, getattr(lt, k))
+    pkg, sub = types.ModuleType("nvmath"), types.ModuleType("nvmath.bindings")
+    pkg.bindings, sub.cublasLt = sub, mod
+    monkeypatch.setitem(sys.modules, "nvmath", pkg)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings", sub)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublasLt", mod)
+    monkeypatch.setattr(gemm, "_LT_PLANS", {})
+    monkeypatch.setattr(gemm, "_LT_MASKS", {})
+    m, p, n = 128, 10, 200
+    dz = _FakeArray((p, m) if ta else (m, p))
+    w = _FakeArray((n, p) if tb else (p, n))
+    dpre, db, pre = _FakeArray((m, n)), _FakeArray((n,)), _FakeArray((m, n))
+    y, mask = _FakeArray((m, n)), _FakeArray((m, 32), np.uint8)
+    x, wf, bf = _FakeArray((m, 16)), _FakeArray((16, n)), _FakeArray((n,))
+    ctx = _FakeCtx()
+    gemm.gemm_bias_relu_aux_cuda.prepare(ctx, "s0", [x, wf, bf], [y, mask], {})
+    assert lt.attrs["EPILOGUE"] == 134 and lt.attrs["EPILOGUE_AUX_POINTER"] == mask.data.ptr
+    assert lt.attrs["EPILOGUE_AUX_LD"] == 256 and lt.attrs["BIAS_POINTER"] == bf.data.ptr
+    assert (lt.attrs["TRANSA"], lt.attrs["TRANSB"]) == (0, 0) and lt.layouts[-3:] == [(n, 16, n), (16, m, 16), (n, m, n)]
+    assert gemm._LT_MASKS == {mask.data.ptr: True}
+    gemm.gemm_bias_relu_cuda.prepare(ctx, "s0", [x, wf, bf], [y], {})
+    assert lt.attrs["EPILOGUE"] == 6 and "EPILOGUE_AUX_POINTER" not in lt.attrs and lt.layouts[-1] == (n, m, n)
+    gemm.gemm_bias_gelu_cuda.prepare(ctx, "s0", [x, wf, bf], [pre, y], {})
+    assert lt.attrs["EPILOGUE"] == 164 and lt.attrs["EPILOGUE_AUX_POINTER"] == pre.data.ptr
+    assert lt.attrs["EPILOGUE_AUX_LD"] == n and lt.layouts[-3:] == [(n, 16, n), (16, m, 16), (n, m, n)]
+    for act, aux in (("relu", mask), ("gelu", pre)):
+        fn = gemm.gemm_drelu_bgrad_cuda if act == "relu" else gemm.gemm_dgelu_bgrad_cuda
+        ins = [dz, w, y, mask] if act == "relu" else [dz, w, pre]
+        if act == "gelu":
+            n8 = _FakeArray((m, n))  # n = 200 is a multiple of 8
+            ins[2] = aux = n8
+        fn(ctx, "s1", ins, [dpre, db], {"ta": ta, "tb": tb})
+        a = lt.attrs
+        assert a["EPILOGUE"] == (152 if act == "relu" else 208), act
+        assert (a["TRANSA"], a["TRANSB"]) == (int(tb), int(ta))
+        assert a["BIAS_POINTER"] == db.data.ptr and a["EPILOGUE_AUX_POINTER"] == aux.data.ptr
+        assert a["EPILOGUE_AUX_LD"] == (256 if act == "relu" else n)
+        assert lt.layouts[-3:] == [(w.shape[1], w.shape[0], w.shape[1]), (dz.shape[1], dz.shape[0], dz.shape[1]),
+                                   (n, m, n)]
+        call = lt.calls[-1]
+        assert (call[3], call[5], call[8], call[10], call[15]) == (w.data.ptr, dz.data.ptr, dpre.data.ptr,
+                                                                   dpre.data.ptr, 99)
+    # op(w)^T op(dz)^T really is (op(dz) op(w))^T: the column-major reading of the layouts above
+    rng = np.random.default_rng(0)
+    dzv, wv = rng.standard_normal(dz.shape), rng.standard_normal(w.shape)
+    A = dzv if not ta else dzv.T
+    B = wv if not tb else wv.T
+    cm = lambda buf, t: (buf.T if not t else buf)  # noqa: E731  column-major view of a row-major buffer, op applied
+    np.testing.assert_allclose(cm(wv, tb) @ cm(dzv, ta), (A @ B).T)
+    # a forward that fell back writes no mask: the backward then runs unfused (no cuBLASLt call)
+    gemm._LT_MASKS[mask.data.ptr] = False
+    before = len(lt.calls)
+    monkeypatch.setattr(gemm, "_bwd_unfused", lambda *a: lt.calls.append("unfused"))
+    gemm.gemm_drelu_bgrad_cuda(ctx, "s1", [dz, w, y, mask], [dpre, db], {"ta": ta, "tb": tb})
+    assert lt.calls[before:] == ["unfused"]

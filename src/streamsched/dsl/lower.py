@@ -138,12 +138,16 @@ class Lowerer:
             first = len(out)
             self.lower_stmt(st, tuple(outs), into, replace(cx, stream=stream))
             user = not stdlib
+            # the user chose this stream: an `on` on a statement of their own op, or a `place` of
+            # the op or the statement (the fusion pass never moves such a task to another stream)
+            chosen = (user and st.clauses.on is not None) or f"{op.name}.{target0}" in self.scope.places \
+                or op.name in self.scope.places
             for i in range(first, len(out)):
                 # Only a user's op body has lines a fix can edit (an `after`, the removal of `into`).
                 out[i] = replace(out[i], site=Site(
                     op=target0 if user else "", op_tail=st.clauses.tail if user else None,
                     into_span=st.clauses.into_span if into is not None and user and i == len(out) - 1 else None,
-                    op_afters=st.clauses.after_clauses if user else ()))
+                    op_afters=st.clauses.after_clauses if user else (), placed=chosen))
             stmt_index[target0] = len(out) - 1
             for t in st.targets[1:]:
                 stmt_index[t.id] = len(out) - 1

@@ -26,6 +26,28 @@ backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buf
 their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
 the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
 same with its region-level batched updates on the update stream.
+
+Backward epilogues: a linear's input-gradient GEMM `matmul(dz, w) -> dy` (either transpose flag),
+followed at once by `gelu_grad(dy, pre) -> dpre` or `relu_grad(dy, y) -> dpre`, and the bias
+gradient `sum(dpre, axis=0) -> db` (the first sum of dpre after them, in the same unit, step and
+launch) become one `gemm_dgelu_bgrad(dz, w, pre) -> (dpre, db)` / `gemm_drelu_bgrad(dz, w, y,
+mask) -> (dpre, db)` task at the GEMM's place, on its stream (cuBLASLt's DGELU_BGRAD /
+DRELU_BGRAD), when no other task reads dy or a buffer sharing its bytes (the same fixed point
+as above), dpre and db share no byte with dz, w, the aux or each other, under `barriers =
+explicit` only when all three are on one stream, and never moving a gradient the user placed on
+its stream.  The linear backward forks dW, dB and dX, so the sum comes after the dW GEMM that
+also reads dpre: it is moved up to the fused task over the tasks between, which is the same
+program exactly when none of them writes a byte of dpre or db or reads a byte of db and the sum
+has no `after` on one of them (both required); two fused spans never interleave, so each move
+is checked against the tasks it really passes.  The gelu aux is the pre-activation, a buffer
+the forward keeps anyway.  DRELU_BGRAD needs a bitmask of y > 0, which no task writes: the pass
+fuses a relu backward only when every task writing a byte of y is a fused forward
+`gemm_bias_relu(x, w, b) -> y`, makes each of them `gemm_bias_relu_aux(x, w, b) -> (y, mask)`
+(RELU_AUX_BIAS) and adds the mask to the schedule's buffers (u8 [m, ceil(n/128)*16], a fresh
+byte range after the device arena's end), so the mask is rewritten exactly when y is, and the
+checker sees it written by the forward and read by the backward like any tensor (its RAW and
+WAR orders are y's own).  Accesses stay the union of the parts' (plus the mask): the checker
+proves the fused plan.
 """
 
 from __future__ import annotations
@@ -34,7 +56,7 @@ import bisect
 
 from dataclasses import replace
 
-from streamsched.interp.ir import HOST, Schedule, Task, evolve
+from streamsched.interp.ir import HOST, Buffer, Schedule, Task, evolve
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
 
@@ -48,8 +70,10 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     from streamsched.stdlib.kernels import KERNELS
 
     bufs = schedule.buffer_map()
+    explicit = schedule.policy == "explicit"
     tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
-                       one_stream=schedule.policy == "explicit")
+                       one_stream=explicit)
+    tasks, masks = _bwd_epilogues(tasks, schedule.buffers, kernels, KERNELS, one_stream=explicit)
     groups: list[list[Task]] = []
     held: _Held | None = None  # the bytes and names the last group's parts own (for _joins)
     for t in tasks:
@@ -81,7 +105,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
         after = tuple(a for a in after if a != t.id)
         fixed.append(evolve(t, after=after) if after != t.after else t)
-    return replace(schedule, tasks=tuple(fixed))
+    return replace(schedule, tasks=tuple(fixed), buffers=schedule.buffers + masks)
 
 
 _PAIR = ("softmax_xent", "softmax_xent_grad", "softmax_xent_fused")
@@ -155,37 +179,11 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         cand[i] = (t1, t2, t3)
     if not cand:
         return tasks
-    readers: dict[str, set[int]] = {}
-    for t in tasks:
-        for a in t.args:
-            readers.setdefault(a, set()).add(t.id)
-
-    # buffers by space, sorted by offset, for the overlap query (a scan of every buffer per
-    # candidate made the pass quadratic in the model's depth)
-    by_space: dict[str, list] = {}
-    for o in buffers:
-        if o.nbytes:
-            by_space.setdefault(o.space, []).append((o.offset, o.offset + o.nbytes, o.name))
-    starts: dict[str, list[int]] = {}
-    longest: dict[str, int] = {}
-    for sp, lst in by_space.items():
-        lst.sort()
-        starts[sp] = [x[0] for x in lst]
-        longest[sp] = max(x[1] - x[0] for x in lst)
+    touching = _Touching(buffers)
+    readers = _by_name(tasks, "args")
 
     def readers_of(name: str) -> set[int]:
-        b = bufs[name]
-        r: set[int] = set(readers.get(name, ()))
-        if not b.nbytes or b.space not in by_space:
-            return r
-        lst, st = by_space[b.space], starts[b.space]
-        lo, hi = b.offset, b.offset + b.nbytes
-        j = bisect.bisect_left(st, hi) - 1  # buffers starting before b's end, walked back
-        while j >= 0 and st[j] + longest[b.space] > lo:
-            if lst[j][1] > lo:
-                r |= readers.get(lst[j][2], set())
-            j -= 1
-        return r
+        return touching.tasks(name, readers)
 
     need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2].kernel == "relu" else set())
             for i, c in cand.items()}
@@ -216,6 +214,185 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
             i += 1
     return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
                  else t for t in out)
+
+
+class _Touching:
+    """The buffers sharing a byte with a buffer (itself included), by space, sorted by offset: a
+    bisection per query (a scan of every buffer per candidate made the pass quadratic in the
+    model's depth)."""
+
+    def __init__(self, buffers):
+        self.bufs = {b.name: b for b in buffers}
+        self.by_space: dict[str, list] = {}
+        for o in buffers:
+            if o.nbytes:
+                self.by_space.setdefault(o.space, []).append((o.offset, o.offset + o.nbytes, o.name))
+        self.starts: dict[str, list[int]] = {}
+        self.longest: dict[str, int] = {}
+        for sp, lst in self.by_space.items():
+            lst.sort()
+            self.starts[sp] = [x[0] for x in lst]
+            self.longest[sp] = max(x[1] - x[0] for x in lst)
+
+    def names(self, name: str) -> list[str]:
+        b = self.bufs.get(name)
+        out = [name]
+        if b is None or not b.nbytes or b.space not in self.by_space:
+            return out
+        lst, st = self.by_space[b.space], self.starts[b.space]
+        lo, hi = b.offset, b.offset + b.nbytes
+        j = bisect.bisect_left(st, hi) - 1  # buffers starting before b's end, walked back
+        while j >= 0 and st[j] + self.longest[b.space] > lo:
+            if lst[j][1] > lo and lst[j][2] != name:
+                out.append(lst[j][2])
+            j -= 1
+        return out
+
+    def tasks(self, name: str, index: dict[str, set[int]]) -> set[int]:
+        """The ids in `index` (buffer name -> task ids) of every buffer touching `name`."""
+        r: set[int] = set()
+        for n in self.names(name):
+            r |= index.get(n, set())
+        return r
+
+
+def _by_name(tasks, field: str) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for t in tasks:
+        for a in getattr(t, field):
+            out.setdefault(a, set()).add(t.id)
+    return out
+
+
+_BWD = {"gelu_grad": "gemm_dgelu_bgrad", "relu_grad": "gemm_drelu_bgrad"}
+_FWD_RELU = ("gemm_bias_relu", "gemm_bias_relu_aux")
+
+
+def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
+    """(`tasks` with every matmul -> gelu_grad | relu_grad -> sum run of the module docstring made
+    one gemm_dgelu_bgrad / gemm_drelu_bgrad task keeping the matmul's id, the others' ids mapped
+    to it in every `after`, and each gemm_bias_relu writing a fused relu's y made
+    gemm_bias_relu_aux; the relu masks' new buffers, placed after the device arena's end).
+    `tasks` itself and () when nothing fuses."""
+    from streamsched.stdlib.kernels.gemm import _mask_ld
+
+    names = ("matmul", "sum") + tuple(_BWD) + tuple(_BWD.values()) + _FWD_RELU
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in names):
+        return tasks, ()
+    bufs = {b.name: b for b in buffers}
+    touching = _Touching(buffers)
+    readers, writers = _by_name(tasks, "args"), _by_name(tasks, "outs")
+    at = {t.id: i for i, t in enumerate(tasks)}
+
+    def conflicts(u: Task, reads: tuple, writes: tuple) -> bool:
+        """Whether u touches a byte the moved task reads (u writing it) or writes (u at all)."""
+        return any(not _apart(bufs, o, r) for o in u.outs for r in reads + writes) \
+            or any(not _apart(bufs, a, w) for a in u.args for w in writes)
+
+    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3, index of t3)
+    reach = -1  # the last candidate's t3: spans never interleave, so each move is its own
+    for i in range(len(tasks) - 2):
+        t1, t2 = tasks[i], tasks[i + 1]
+        if i <= reach:
+            continue
+        if t1.kernel != "matmul" or any(k not in ("ta", "tb") for k, _ in t1.attrs) or t2.kernel not in _BWD:
+            continue
+        where = (t1.unit, t1.step, t1.slot, t1.launch)
+        if (t2.unit, t2.step, t2.slot, t2.launch) != where or HOST in (t1.stream, t2.stream):
+            continue
+        if len(t1.args) != 2 or len(t2.args) != 2 or t2.args[0] != t1.outs[0]:
+            continue
+        dy, aux, dpre = t1.outs[0], t2.args[1], t2.outs[0]
+        bdy, baux, bdp = bufs.get(dy), bufs.get(aux), bufs.get(dpre)
+        if bdy is None or baux is None or bdp is None or len(bdy.shape) != 2 \
+                or not bdy.shape == baux.shape == bdp.shape:
+            continue
+        # the bias gradient: the first task after t2 reading dpre that is sum(dpre, axis=0), in
+        # the same statement; the tasks between (the dW GEMM) must commute with it
+        t3, j = None, -1
+        for r in sorted(at[x] for x in readers.get(dpre, ()) if at[x] > i + 1):
+            u = tasks[r]
+            if (u.unit, u.step, u.slot, u.launch) != where:
+                break
+            if u.kernel == "sum" and u.args == (dpre,) and u.attr("axis") in (0, -2) and len(u.outs) == 1 \
+                    and u.stream != HOST:
+                b = bufs.get(u.outs[0])
+                if b is not None and b.shape == bdy.shape[1:]:
+                    t3, j = u, r
+                break
+        if t3 is None:
+            continue
+        db = t3.outs[0]
+        if one_stream and not t1.stream == t2.stream == t3.stream:
+            continue  # explicit: the user orders streams; a missing `after` between them stays an R001
+        if any(u.stream != t1.stream and u.site is not None and u.site.placed for u in (t2, t3)):
+            continue  # the user put it on its stream: fusing would move it to the GEMM's
+        if not all(_apart(bufs, o, a) for o in (dpre, db) for a in t1.args + (aux,)) or not _apart(bufs, dpre, db):
+            continue
+        skipped = tasks[i + 2:j]
+        if any(u.id in t3.after for u in skipped) or any(conflicts(u, (dpre,), (db,)) for u in skipped):
+            continue
+        if t2.kernel == "relu_grad":
+            # the mask is written beside y by every task that writes y's bytes: then it is y > 0
+            # wherever the backward reads it
+            ws = touching.tasks(aux, writers)
+            if not ws or any(tasks[at[w]].kernel not in _FWD_RELU or tasks[at[w]].outs[:1] != (aux,) for w in ws):
+                continue
+        cand[i] = (t1, t2, t3, j)
+        reach = j
+    if not cand:
+        return tasks, ()
+    need = {i: touching.tasks(c[0].outs[0], readers) for i, c in cand.items()}
+    while True:
+        t2s = {c[1].id for c in cand.values()}
+        bad = [i for i in cand if not need[i] <= t2s]
+        if not bad:
+            break
+        for i in bad:
+            del cand[i]
+    if not cand:
+        return tasks, ()
+
+    # one mask per relu output y, after the device arena's end (a fresh byte range)
+    masks: dict[str, Buffer] = {}
+    planned = all(b.offset >= 0 for b in buffers)
+    end = max((b.offset + b.nbytes for b in buffers if b.space == "device"), default=0)
+    for t1, t2, t3, j in cand.values():
+        y = t2.args[1]
+        if t2.kernel != "relu_grad" or y in masks:
+            continue
+        m, n = bufs[y].shape
+        shape = (m, _mask_ld(n) // 8)
+        name = f"relu_mask({y})"
+        while name in bufs:
+            name += "'"
+        nbytes = m * shape[1]
+        off = -(-end // 256) * 256 if planned else -1
+        masks[y] = Buffer(name, shape, "u8", "device", "act", off, nbytes if planned else 0, span=bufs[y].span)
+        if planned:
+            end = off + nbytes
+    drop = {c[3] for c in cand.values()}
+    out, gone = [], {}
+    for i, t in enumerate(tasks):
+        if i in drop or (i - 1) in cand:
+            continue
+        if i in cand:
+            t1, t2, t3, _ = cand[i]
+            gone[t2.id] = gone[t3.id] = t1.id
+            args = t1.args + (t2.args[1],) + ((masks[t2.args[1]].name,) if t2.kernel == "relu_grad" else ())
+            ta, tb = bool(t1.attr("ta", False)), bool(t1.attr("tb", False))
+            out.append(evolve(t1, kernel=_BWD[t2.kernel], args=args, outs=(t2.outs[0], t3.outs[0]),
+                               attrs=(("ta", ta), ("tb", tb)),
+                               after=tuple(dict.fromkeys(t1.after + t2.after + t3.after)),
+                               key="fuse(" + "|".join(u.key for u in (t1, t2, t3)) + ")",
+                               label=f"{t1.label} +{t2.kernel} +{t3.kernel}" if t1.label else t1.label))
+        elif t.kernel in _FWD_RELU and t.outs[:1] and t.outs[0] in masks:
+            out.append(evolve(t, kernel="gemm_bias_relu_aux", outs=(t.outs[0], masks[t.outs[0]].name)))
+        else:
+            out.append(t)
+    out = tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
+                if any(a in gone for a in t.after) else t for t in out)
+    return out, tuple(masks.values())
 
 
 def _apart(bufs, a: str, b: str) -> bool:

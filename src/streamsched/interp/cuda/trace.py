@@ -47,7 +47,8 @@ COLOURS = {
 
 
 def category(kernel: str) -> str:
-    if kernel in ("matmul", "gemm_bias_relu", "gemm_bias_gelu"):
+    if kernel in ("matmul", "gemm_bias_relu", "gemm_bias_relu_aux", "gemm_bias_gelu", "gemm_drelu_bgrad",
+                  "gemm_dgelu_bgrad"):
         return "gemm"
     if kernel in ("sum", "mean"):
         return "reduce"

@@ -1,7 +1,9 @@
 """GEMM: `matmul` (c = op(a) @ op(b)), the one kernel that is cuBLAS alone; the convolutions reach
 cuBLAS through the same context glue (`ctx.gemm`, the stream's own handle); and the GEMMs with a
-fused epilogue the fusion pass makes, `gemm_bias_relu` and `gemm_bias_gelu`, which run through
-cuBLASLt's RELU_BIAS / GELU_AUX_BIAS epilogues (nvmath-python's cublasLt bindings) on the device."""
+fused epilogue the fusion pass makes, forward `gemm_bias_relu`, `gemm_bias_relu_aux` and
+`gemm_bias_gelu` (cuBLASLt's RELU_BIAS / RELU_AUX_BIAS / GELU_AUX_BIAS) and backward
+`gemm_drelu_bgrad` and `gemm_dgelu_bgrad` (DRELU_BGRAD / DGELU_BGRAD), through nvmath-python's
+cublasLt bindings on the device."""
 
 from __future__ import annotations
 
@@ -126,6 +128,99 @@ epilogue (pre is its auxiliary output), the three twins where cuBLASLt is missin
                                "pre = x w + b; y = gelu(pre): cuBLASLt GELU_AUX_BIAS (made by the fusion pass)"))
 
 
+def _mask_ld(n: int) -> int:
+    """The relu bitmask's leading dimension in bits (cuBLASLt: a multiple of 128, at least n)."""
+    return -(-n // 128) * 128
+
+
+def _gemm_bias_relu_aux_infer(k, names, t, at):
+    shape, dt = _gemm_bias_types(k, names, t)
+    return [(shape, dt), ((shape[0], _mask_ld(shape[1]) // 8), "u8")]
+
+
+def _gemm_bias_relu_aux_cpu(ins, outs, at):
+    _gemm_bias_relu_cpu(ins, outs[:1], at)
+    y, mask = outs
+    bits = np.zeros((y.shape[0], _mask_ld(y.shape[1])), bool)
+    bits[:, :y.shape[1]] = y > 0
+    mask[...] = np.packbits(bits, axis=1, bitorder="little")
+
+
+_register("gemm_bias_relu_aux", "x w b", "y mask", _gemm_bias_relu_aux_infer, _gemm_bias_relu_aux_cpu, doc="""
+y = relu(x @ w + b) and its relu bitmask in one launch: gemm_bias_relu where the fusion pass also
+fuses the backward (gemm_drelu_bgrad reads the mask), never written.  x: [m, k], w: [k, n],
+b: [n], one float dtype -> y: [m, n], mask: u8 [m, ceil(n/128)*16] (row r: bits r*ld .. r*ld+n-1,
+ld = ceil(n/128)*128, set where y > 0).  CPU: the three twins in order, then the mask packed
+little-endian; CUDA: cuBLASLt's RELU_AUX_BIAS epilogue (the mask in cuBLASLt's own bit layout,
+read by nothing but cuBLASLt's DRELU_BGRAD), the three twins where cuBLASLt refuses (the mask is
+then not written, and the backward that reads it runs unfused from y).
+""", inplace=False, row=DocRow("x [m,k], w [k,n], b [n] -> y [m,n], mask u8 [m,ceil(n/128)*16]", "comp1",
+                               "y = relu(x w + b) and its bitmask: cuBLASLt RELU_AUX_BIAS (made by the fusion pass)"))
+
+
+def _gemm_bgrad_types(k, names, t, at, aux_arity):
+    (shape, dt), = _matmul_infer(k, names[:2], t[:2], at)
+    aux = t[2]
+    if tuple(aux[0]) != shape or aux[1] != dt:
+        raise KernelTypeError(f"{k}: {names[2]} must be {dt}{_fmt(shape)} like the product, "
+                              f"got {aux[1]}{_fmt(aux[0])}", arg=2)
+    if aux_arity == 2:
+        want = (shape[0], _mask_ld(shape[1]) // 8)
+        if tuple(t[3][0]) != want or t[3][1] != "u8":
+            raise KernelTypeError(f"{k}: mask must be u8{_fmt(want)}, got {t[3][1]}{_fmt(t[3][0])}", arg=3)
+    return [(shape, dt), ((shape[1],), dt)]
+
+
+def _product(dz, w, at):
+    """op(dz) @ op(w) by matmul's own twin (so the fused result is bitwise the unfused tasks')."""
+    m = dz.shape[1] if at["ta"] else dz.shape[0]
+    n = w.shape[0] if at["tb"] else w.shape[1]
+    t = np.empty((m, n), dz.dtype)
+    STDLIB["matmul"].cpu([dz, w], [t], {"ta": at["ta"], "tb": at["tb"]})
+    return t
+
+
+def _gemm_dgelu_bgrad_cpu(ins, outs, at):
+    dz, w, pre = ins
+    STDLIB["gelu_grad"].cpu([_product(dz, w, at), pre], [outs[0]], {})
+    STDLIB["sum"].cpu([outs[0]], [outs[1]], {"axis": 0})
+
+
+def _gemm_drelu_bgrad_cpu(ins, outs, at):
+    dz, w, y, mask = ins
+    keep = np.unpackbits(mask, axis=1, count=y.shape[1], bitorder="little").astype(bool)
+    STDLIB["relu_grad"].cpu([_product(dz, w, at), keep], [outs[0]], {})
+    STDLIB["sum"].cpu([outs[0]], [outs[1]], {"axis": 0})
+
+
+_register("gemm_dgelu_bgrad", "dz w pre", "dpre db", lambda k, n, t, at: _gemm_bgrad_types(k, n, t, at, 1),
+          _gemm_dgelu_bgrad_cpu, {"ta": False, "tb": False}, doc="""
+dpre = gelu_grad(op(dz) @ op(w), pre) and db = sum(dpre, axis=0) in one launch: made by the fusion
+pass from a linear's input-gradient GEMM matmul(dz, w) -> dy, gelu_grad(dy, pre) -> dpre and the
+bias gradient sum(dpre, axis=0) -> db where nothing else reads dy, never written.  dz, w as
+matmul's a, b (ta, tb its flags) with op(dz) @ op(w): [m, n]; pre: [m, n] (the forward's
+GELU_AUX_BIAS output) -> dpre: [m, n], db: [n]; one float dtype.  CPU: matmul, gelu_grad and sum's
+twins in order (bitwise the unfused tasks); CUDA: cuBLASLt's DGELU_BGRAD epilogue (aux = pre), the
+three twins where cuBLASLt is missing or refuses (a one-line notice).
+""", inplace=False, row=DocRow("dz, w, pre [m,n] -> dpre [m,n], db [n]", "comp3",
+                               "dpre = gelu'(pre) (op(dz) op(w)); db = sum(dpre, 0): cuBLASLt DGELU_BGRAD "
+                               "(made by the fusion pass)"))
+
+_register("gemm_drelu_bgrad", "dz w y mask", "dpre db", lambda k, n, t, at: _gemm_bgrad_types(k, n, t, at, 2),
+          _gemm_drelu_bgrad_cpu, {"ta": False, "tb": False}, doc="""
+dpre = relu_grad(op(dz) @ op(w), y) and db = sum(dpre, axis=0) in one launch: made by the fusion
+pass from matmul(dz, w) -> dy, relu_grad(dy, y) -> dpre and sum(dpre, axis=0) -> db where nothing
+else reads dy and every writer of y is a gemm_bias_relu (made gemm_bias_relu_aux, so that it
+writes the mask beside y), never written.  dz, w as matmul's a, b (ta, tb its flags); y: [m, n],
+the forward's relu output; mask: its gemm_bias_relu_aux bitmask -> dpre: [m, n], db: [n]; one
+float dtype.  CPU: matmul's twin, relu_grad's on the unpacked mask (its bits are y > 0), sum's
+(bitwise the unfused tasks); CUDA: cuBLASLt's DRELU_BGRAD epilogue (aux = the mask), the three
+twins on y where cuBLASLt refuses either epilogue (a one-line notice).
+""", inplace=False, row=DocRow("dz, w, y [m,n], mask -> dpre [m,n], db [n]", "comp3",
+                               "dpre = (op(dz) op(w)) where y > 0; db = sum(dpre, 0): cuBLASLt DRELU_BGRAD "
+                               "(made by the fusion pass)"))
+
+
 # ============================================================================================
 # CUDA twins, `<kernel>_cuda(ctx, stream, ins, outs, attrs)`: what each record's `cuda` names.
 # CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
@@ -140,14 +235,25 @@ def matmul_cuda(ctx, stream, ins, outs, attrs):
 # Row-major y [m, n] = x [m, k] @ w [k, n] is column-major y^T [n, m] = w^T [n, k] @ x^T [k, m]:
 # A = w (column-major [n, k], ld n), B = x ([k, m], ld k), D = y ([n, m], ld n); the bias has one
 # entry per row of D (n), as the epilogue wants; GELU_AUX_BIAS's aux (the pre-activation) is laid
-# out like D.  A descriptor names the bias and aux pointers, so one is built per binding, when
-# the executor binds the task (before any capture: `prepare`), with its heuristic algorithm.
+# out like D, RELU_AUX_BIAS's bitmask too with a leading dimension of _mask_ld(n) bits.  The
+# backward t [m, n] = op(dz) @ op(w) is t^T = op(w)^T op(dz)^T: a row-major buffer is its own
+# transpose column-major, so A = w transposed exactly when tb is set, B = dz exactly when ta is;
+# DRELU_BGRAD / DGELU_BGRAD write the bias gradient (one entry per row of D: the sum over the m
+# columns, sum(dpre, axis=0)) to the bias pointer.  A descriptor names the bias and aux pointers,
+# so one is built per binding, when the executor binds the task (before any capture: `prepare`),
+# with its heuristic algorithm.
 
 _LT_PLANS: dict[tuple, Any] = {}
 _LT_NOTICE: list = []
+_LT_MASKS: dict[int, bool] = {}
+"""relu bitmask pointer -> whether every forward binding that writes it runs RELU_AUX_BIAS: a forward
+that fell back to the three kernels writes no mask, and the backward reading it must then fall
+back as well (False sticks: a stale entry only ever costs the fused launch, never a wrong mask)."""
 _CUDA_R = {"float32": 0, "float64": 1}
 _COMPUTE = {"float32": 68, "float64": 70}  # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F
-_EPILOGUE = {"relu": 6, "gelu": 164}       # CUBLASLT_EPILOGUE_RELU_BIAS, _GELU_AUX_BIAS
+_EPILOGUE = {"relu": ("RELU_BIAS", 6), "relu_aux": ("RELU_AUX_BIAS", 134), "gelu": ("GELU_AUX_BIAS", 164),
+             "drelu": ("DRELU_BGRAD", 152), "dgelu": ("DGELU_BGRAD", 208)}
+"""act -> (cublasLtEpilogue_t name, value in cublasLt.h); the bindings' own Epilogue enum wins."""
 
 
 def _lt_notice(why: str) -> None:
@@ -158,47 +264,81 @@ def _lt_notice(why: str) -> None:
         print(f"note: GEMM epilogues run unfused on the device ({why})", file=sys.stderr)
 
 
-def _lt_key(stream, ins, outs, act):
-    x, w, b = ins
-    aux = outs[0] if act == "gelu" else None
-    return (str(stream), act, str(x.dtype), x.shape, w.shape, x.data.ptr, w.data.ptr, b.data.ptr,
-            outs[-1].data.ptr, aux.data.ptr if aux is not None else 0)
+def _flags(attrs) -> tuple[bool, bool]:
+    return bool((attrs or {}).get("ta", False)), bool((attrs or {}).get("tb", False))
 
 
-def _lt_plan(ctx, stream, ins, outs, act):
+def _lt_key(stream, ins, outs, act, attrs=None):
+    x, w = ins[0], ins[1]
+    return (str(stream), act, str(x.dtype), x.shape, w.shape) + tuple(a.data.ptr for a in ins) \
+        + tuple(o.data.ptr for o in outs) + _flags(attrs)
+
+
+def _lt_plan(ctx, stream, ins, outs, act, attrs=None):
     """The descriptor, layouts and algorithm of this binding, built once; None (and a notice)
     when cuBLASLt is missing or refuses the case: the twins then run the three unfused kernels."""
-    key = _lt_key(stream, ins, outs, act)
+    key = _lt_key(stream, ins, outs, act, attrs)
     if key in _LT_PLANS:
-        return _LT_PLANS[key]
-    plan = None
-    try:
-        plan = _lt_build(ctx, stream, ins, outs, act)
-    except ImportError as exc:
-        _lt_notice(f"nvmath-python's cublasLt bindings are missing: {exc}")
-    except Exception as exc:  # a refused layout or epilogue: unfused, said once
-        _lt_notice(f"cuBLASLt refused {act} for {ins[0].shape} @ {ins[1].shape}: {type(exc).__name__}: {exc}")
-    _LT_PLANS[key] = plan
+        plan = _LT_PLANS[key]
+    else:
+        plan = None
+        try:
+            plan = _lt_build(ctx, stream, _lt_spec(ins, outs, act, attrs))
+        except ImportError as exc:
+            _lt_notice(f"nvmath-python's cublasLt bindings are missing: {exc}")
+        except Exception as exc:  # a refused layout or epilogue: unfused, said once
+            _lt_notice(f"cuBLASLt refused {_EPILOGUE[act][0]} for {ins[0].shape} @ {ins[1].shape}: "
+                       f"{type(exc).__name__}: {exc}")
+        _LT_PLANS[key] = plan
+    if act == "relu_aux":
+        ptr = outs[1].data.ptr
+        _LT_MASKS[ptr] = _LT_MASKS.get(ptr, True) and plan is not None
     return plan
 
 
-def _lt_build(ctx, stream, ins, outs, act):
+def _lt_spec(ins, outs, act, attrs) -> dict:
+    """What one cuBLASLt call of `act` multiplies and where its epilogue reads and writes (the
+    layout comment above), with the operands whose dtype, contiguity and alignment it needs."""
+    if act in ("relu", "relu_aux", "gelu"):
+        x, w, b = ins
+        m, k = x.shape
+        n = w.shape[1]
+        y = outs[0] if act == "relu_aux" else outs[-1]
+        aux = outs[1] if act == "relu_aux" else outs[0] if act == "gelu" else None
+        a, ta, b_, tb_ = w, False, x, False
+        floats, bias = (x, w, b, y) + ((aux,) if act == "gelu" else ()), b
+    else:
+        dz, w = ins[0], ins[1]
+        ta_, tb = _flags(attrs)
+        m = dz.shape[1] if ta_ else dz.shape[0]
+        n = w.shape[0] if tb else w.shape[1]
+        y, bias = outs
+        aux = ins[2] if act == "dgelu" else ins[3]
+        a, ta, b_, tb_ = w, tb, dz, ta_
+        floats = (dz, w, y, bias) + ((aux,) if act == "dgelu" else ())
+    if act in ("gelu", "dgelu") and n % 8:
+        raise ValueError("the GELU aux matrix needs n % 8 == 0")
+    aux_ld = n if act in ("gelu", "dgelu") else _mask_ld(n) if aux is not None else 0
+    return {"act": act, "dt": str(floats[0].dtype), "floats": floats, "all": floats + ((aux,) if aux is not None else ()),
+            "A": a, "transa": ta, "B": b_, "transb": tb_, "D": y, "m": m, "n": n, "bias": bias, "aux": aux,
+            "aux_ld": aux_ld}
+
+
+def _lt_build(ctx, stream, sp):
     from nvmath.bindings import cublasLt as lt
 
-    x, w, b = ins
-    y = outs[-1]
-    dt = str(x.dtype)
-    if dt not in _CUDA_R or w.dtype != x.dtype or b.dtype != x.dtype or y.dtype != x.dtype:
+    dt = sp["dt"]
+    if dt not in _CUDA_R or any(str(a.dtype) != dt for a in sp["floats"]):
         raise ValueError(f"dtype {dt} has no cuBLASLt epilogue here")
-    for a in (x, w, b, y) + ((outs[0],) if act == "gelu" else ()):
+    for a in sp["all"]:
         if not a.flags.c_contiguous or a.data.ptr % 16:
             raise ValueError("operands must be C-contiguous and 16-byte aligned")
-    m, k = x.shape
-    n = w.shape[1]
-    if act == "gelu" and n % 8:
-        raise ValueError("the GELU aux output needs n % 8 == 0")
+    A, B, D, m, n = sp["A"], sp["B"], sp["D"], sp["m"], sp["n"]
     handle, ws_ptr, ws_bytes = ctx.lt_handle(stream if isinstance(stream, str) else ctx._name_of(stream))
     r = _CUDA_R[dt]
+    name, value = _EPILOGUE[sp["act"]]
+    enum = getattr(lt, "Epilogue", None)
+    epilogue = int(getattr(enum, name)) if enum is not None and hasattr(enum, name) else value
     desc = lt.matmul_desc_create(_COMPUTE[dt], r)
     made = {"desc": desc, "layouts": [], "pref": None}
     try:
@@ -207,16 +347,17 @@ def _lt_build(ctx, stream, ins, outs, act):
             buf = np.array([value], dtype=get(attr) if get is not None else dtype)
             lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.itemsize)
 
-        A = lt.MatmulDescAttribute
-        put(A.TRANSA, 0, np.int32)  # CUBLAS_OP_N
-        put(A.TRANSB, 0, np.int32)
-        put(A.EPILOGUE, _EPILOGUE[act], np.uint32)
-        put(A.BIAS_POINTER, b.data.ptr, np.uint64)
-        if act == "gelu":
-            put(A.EPILOGUE_AUX_POINTER, outs[0].data.ptr, np.uint64)
-            put(A.EPILOGUE_AUX_LD, n, np.int64)
-        la = lt.matrix_layout_create(r, n, k, n)
-        lb = lt.matrix_layout_create(r, k, m, k)
+        At = lt.MatmulDescAttribute
+        put(At.TRANSA, 1 if sp["transa"] else 0, np.int32)  # CUBLAS_OP_T / CUBLAS_OP_N
+        put(At.TRANSB, 1 if sp["transb"] else 0, np.int32)
+        put(At.EPILOGUE, epilogue, np.uint32)
+        put(At.BIAS_POINTER, sp["bias"].data.ptr, np.uint64)
+        if sp["aux"] is not None:
+            put(At.EPILOGUE_AUX_POINTER, sp["aux"].data.ptr, np.uint64)
+            put(At.EPILOGUE_AUX_LD, sp["aux_ld"], np.int64)
+        # a row-major [r, c] buffer is a column-major [c, r] matrix with ld c (op applied by TRANS*)
+        la = lt.matrix_layout_create(r, A.shape[1], A.shape[0], A.shape[1])
+        lb = lt.matrix_layout_create(r, B.shape[1], B.shape[0], B.shape[1])
         ld = lt.matrix_layout_create(r, n, m, n)
         made["layouts"] = [la, lb, ld]
         pref = lt.matmul_preference_create()
@@ -230,8 +371,8 @@ def _lt_build(ctx, stream, ins, outs, act):
 
         pref_put(P.MAX_WORKSPACE_BYTES, ws_bytes)
         # the heuristic assumes 256-byte aligned operands unless told: tell it what they are
-        for attr, arr in (("MIN_ALIGNMENT_A_BYTES", w), ("MIN_ALIGNMENT_B_BYTES", x), ("MIN_ALIGNMENT_C_BYTES", y),
-                          ("MIN_ALIGNMENT_D_BYTES", y)):
+        for attr, arr in (("MIN_ALIGNMENT_A_BYTES", A), ("MIN_ALIGNMENT_B_BYTES", B), ("MIN_ALIGNMENT_C_BYTES", D),
+                          ("MIN_ALIGNMENT_D_BYTES", D)):
             if hasattr(P, attr):
                 pref_put(getattr(P, attr), _alignment(arr.data.ptr))
         res = np.zeros((1,), dtype=np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64),
@@ -245,7 +386,8 @@ def _lt_build(ctx, stream, ins, outs, act):
         one = np.array([1.0], dtype=dt)
         zero = np.array([0.0], dtype=dt)
         return {"lt": lt, "handle": handle, "desc": desc, "la": la, "lb": lb, "ld": ld, "algo": algo,
-                "alpha": one, "beta": zero, "ws": ws_ptr, "ws_bytes": ws_bytes, "pref": pref}
+                "alpha": one, "beta": zero, "ws": ws_ptr, "ws_bytes": ws_bytes, "pref": pref,
+                "a": A.data.ptr, "b": B.data.ptr, "d": D.data.ptr}
     except BaseException:
         for h in made["layouts"]:
             lt.matrix_layout_destroy(h)
@@ -262,34 +404,46 @@ def _alignment(ptr: int) -> int:
     return a
 
 
-def _lt_run(ctx, stream, plan, ins, outs) -> None:
-    x, w, b = ins
-    y = outs[-1]
+def _lt_run(ctx, stream, plan) -> None:
     p = plan
-    p["lt"].matmul(p["handle"], p["desc"], p["alpha"].ctypes.data, w.data.ptr, p["la"], x.data.ptr, p["lb"],
-                   p["beta"].ctypes.data, y.data.ptr, p["ld"], y.data.ptr, p["ld"], p["algo"].ctypes.data,
+    p["lt"].matmul(p["handle"], p["desc"], p["alpha"].ctypes.data, p["a"], p["la"], p["b"], p["lb"],
+                   p["beta"].ctypes.data, p["d"], p["ld"], p["d"], p["ld"], p["algo"].ctypes.data,
                    p["ws"], p["ws_bytes"], ctx.stream_ptr(stream))
+
+
+def _twin(name):
+    import importlib
+
+    mod, _, attr = STDLIB[name].cuda.partition(":")
+    return getattr(importlib.import_module(mod), attr)
 
 
 def _unfused(ctx, stream, ins, outs, act) -> None:
     """matmul, add and the activation by their own twins (the temporaries from the current pool:
-    under the executor the captured graph's own, as conv's im2col)."""
-    import importlib
-
+    under the executor the captured graph's own, as conv's im2col); relu_aux writes no mask."""
     import cupy as cp
 
     x, w, b = ins
-
-    def twin(name):
-        mod, _, attr = STDLIB[name].cuda.partition(":")
-        return getattr(importlib.import_module(mod), attr)
-
+    y = outs[0] if act == "relu_aux" else outs[-1]
     with ctx.stream(stream) if ctx is not None else _nullcontext():
         m = cp.empty((x.shape[0], w.shape[1]), x.dtype)
         h = outs[0] if act == "gelu" else cp.empty_like(m)
-    twin("matmul")(ctx, stream, [x, w], [m], dict(STDLIB["matmul"].attrs))
-    twin("add")(ctx, stream, [m, b], [h], {})
-    twin(act)(ctx, stream, [h], [outs[-1]], {})
+    _twin("matmul")(ctx, stream, [x, w], [m], dict(STDLIB["matmul"].attrs))
+    _twin("add")(ctx, stream, [m, b], [h], {})
+    _twin("gelu" if act == "gelu" else "relu")(ctx, stream, [h], [y], {})
+
+
+def _bwd_unfused(ctx, stream, ins, outs, act, attrs) -> None:
+    """matmul, relu_grad / gelu_grad (on y / pre, never the mask) and sum by their own twins."""
+    import cupy as cp
+
+    dz, w = ins[0], ins[1]
+    ta, tb = _flags(attrs)
+    with ctx.stream(stream) if ctx is not None else _nullcontext():
+        t = cp.empty(((dz.shape[1] if ta else dz.shape[0]), (w.shape[0] if tb else w.shape[1])), dz.dtype)
+    _twin("matmul")(ctx, stream, [dz, w], [t], {"ta": ta, "tb": tb})
+    _twin("gelu_grad" if act == "dgelu" else "relu_grad")(ctx, stream, [t, ins[2]], [outs[0]], {})
+    _twin("sum")(ctx, stream, [outs[0]], [outs[1]], {"axis": 0})
 
 
 class _nullcontext:
@@ -302,19 +456,27 @@ class _nullcontext:
 
 def _gemm_act_cuda(act):
     def run(ctx, stream, ins, outs, attrs):
-        plan = _lt_plan(ctx, stream, ins, outs, act) if ctx is not None else None
+        plan = _lt_plan(ctx, stream, ins, outs, act, attrs) if ctx is not None else None
+        if plan is not None and act == "drelu" and not _LT_MASKS.get(ins[3].data.ptr, False):
+            plan = None  # the forward fell back and wrote no mask: the three kernels, on y
         if plan is None:
-            _unfused(ctx, stream, ins, outs, act)
+            if act in ("drelu", "dgelu"):
+                _bwd_unfused(ctx, stream, ins, outs, act, attrs)
+            else:
+                _unfused(ctx, stream, ins, outs, act)
         else:
-            _lt_run(ctx, stream, plan, ins, outs)
+            _lt_run(ctx, stream, plan)
 
     def prepare(ctx, stream, ins, outs, attrs):
         if ctx is not None:
-            _lt_plan(ctx, stream, ins, outs, act)
+            _lt_plan(ctx, stream, ins, outs, act, attrs)
 
     run.prepare = prepare
     return run
 
 
 gemm_bias_relu_cuda = _gemm_act_cuda("relu")
+gemm_bias_relu_aux_cuda = _gemm_act_cuda("relu_aux")
 gemm_bias_gelu_cuda = _gemm_act_cuda("gelu")
+gemm_drelu_bgrad_cuda = _gemm_act_cuda("drelu")
+gemm_dgelu_bgrad_cuda = _gemm_act_cuda("dgelu")
