@@ -66,6 +66,7 @@ def _ss_run(c, epochs: int | None, mode: str) -> dict:
                 base_dir=EXAMPLES, echo=notes.append)
     return {"data_on": res.data_on, "eval_on": res.eval_on, "epoch_launch": launch,
             "epoch_launches": res.epoch_launches, "notes": notes,
+            "loop_cpu_s": {k: round(v, 4) for k, v in res.loop_cpu_s.items()},
             "run_us_per_step": round(res.steady_us_per_step, 1),
             "cpu_us_per_step": round(res.steady_cpu_us_per_step, 1),
             "eval_s": round(res.eval_s, 3), "first_step_s": round(res.first_step_s, 3),

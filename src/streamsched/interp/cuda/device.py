@@ -292,6 +292,12 @@ class DeviceContext:
         try:
             self.synchronize()
         finally:
+            try:
+                from streamsched.stdlib.kernels.gemm import forget_context
+
+                forget_context(self)
+            except ImportError:  # pragma: no cover
+                pass
             if self.handles:
                 cb = cublas()
                 for h in self.handles.values():

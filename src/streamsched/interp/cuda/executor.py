@@ -154,6 +154,13 @@ class CudaExecutor:
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
         self.sync_warmup = os.environ.get("STREAMSCHED_SYNC_WARMUP", "1") != "0"
         self._host_waited = {i.event for i in plan.instrs if i.op == "wait" and i.stream == HOST}
+        # event -> the units (-1: none) whose waits bind to it; events only the host records
+        self._waited_outside: dict[int, set[int]] = {}
+        for i in plan.instrs:
+            if i.op == "wait":
+                self._waited_outside.setdefault(i.event, set()).add(i.unit)
+        self._host_only = ({i.event for i in plan.instrs if i.op == "record" and i.stream == HOST}
+                           - {i.event for i in plan.instrs if i.op == "record" and i.stream != HOST})
         self.accumulator = None
         if accumulate is not None and accumulate in self.arrays and str(self.arrays[accumulate].dtype) in (
                 "float32", "float64"):  # (the loss is f32 under mixed precision too)
@@ -337,7 +344,7 @@ class CudaExecutor:
             elif op == "wait":
                 if ins.stream == HOST:
                     ops.append(("sync", events[ins.event], None))
-                else:
+                elif ins.event not in self._host_only:  # (host work is done when issued: nothing to wait for)
                     ops.append(("wait", streams[ins.stream], events[ins.event]))
             i += 1
         return Program(ops, len(instrs))
@@ -641,7 +648,11 @@ class CudaExecutor:
                                     unit=unit, phase="capture")
         if not raw:
             graph.upload(home)
-        return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(recorded - external)),
+        # Re-recorded after the launch: only the events some wait outside this unit binds to (an
+        # eager or host wait, or another unit's hoisted pre-wait); the unit's own fork and join
+        # events are edges of its graph, and recording them again would cost the host a call each.
+        post = {e for e in recorded - external if self._waited_outside.get(e, set()) - {uid}}
+        return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(post)),
                             tuple(tasks), task_nodes=task_nodes, node_task=node_task)
 
     # -- inspection ---------------------------------------------------------------------------

@@ -329,14 +329,16 @@ class Run:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
             self.epoch_now, self.epoch_t0 = e + 1, time.perf_counter()
             if e == self.start_epoch + 1:  # the steady state: every epoch but the first
-                steady = (self.epoch_t0, time.process_time(), self.steps_run, self.result.eval_s)
+                steady = (self.epoch_t0, time.process_time(), self.steps_run, self.result.eval_s, time.thread_time())
             first = self.steps_run  # steps of this run before this epoch
             n = spe if opts.max_steps is None else min(spe, opts.max_steps - self.steps_run)
             whole = n == spe
             evaluate, snapshot = self.wants_eval(e, whole), self.wants_params(e, whole)
             order = self.order_after(e)
             if graph is not None and whole and first >= graph.first:
+                c_issue = time.thread_time()
                 end = runner.run_epoch(evaluate, snapshot, order)
+                self.result.loop_cpu_s["launch"] += time.thread_time() - c_issue
                 self.steps_run += n
                 self.result.epoch_launches += 1
                 self.progress.update(n)
@@ -348,19 +350,22 @@ class Run:
                     self.after_step(k)
                 end = self.issue_end(runner, evaluate, snapshot, order)
             self.result.epoch_steps.append((n, time.perf_counter() - self.epoch_t0))
+            c_fin = time.thread_time()
             if self.pending is not None:
                 self.finish()
             self.pending = (e, first, end, evaluate)
             if end.ready():
                 self.finish()
+            self.result.loop_cpu_s["finish"] += time.thread_time() - c_fin
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
         if self.pending is not None:
             self.finish()
         if steady is not None and self.steps_run > steady[2]:
-            t0, c0, k0, ev0 = steady
+            t0, c0, k0, ev0, th0 = steady
             self.result.steady = (self.steps_run - k0, time.perf_counter() - t0 - (self.result.eval_s - ev0),
                                   time.process_time() - c0)
+            self.result.loop_cpu_s["main_thread"] = time.thread_time() - th0
 
     def wants_eval(self, e: int, whole: bool) -> bool:
         return ((e + 1) % self.opts.eval_every == 0 or e == self.epochs - 1 or not whole) and self.rank == 0

@@ -96,6 +96,9 @@ class TrainResult:
     a run of one epoch."""
     epoch_launches: int = 0
     """Epochs that ran as one launch of the epoch graph (`--epoch-launch auto`)."""
+    loop_cpu_s: dict[str, float] = field(default_factory=lambda: {"launch": 0.0, "finish": 0.0, "main_thread": 0.0})
+    """The loop thread's CPU seconds (time.thread_time): in epoch-graph launches, in reading
+    epoch ends (`finish`, the whole run), and in the steady state (`steady`'s span)."""
 
     @property
     def steady_us_per_step(self) -> float:

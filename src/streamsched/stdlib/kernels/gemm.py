@@ -268,16 +268,24 @@ def _flags(attrs) -> tuple[bool, bool]:
     return bool((attrs or {}).get("ta", False)), bool((attrs or {}).get("tb", False))
 
 
-def _lt_key(stream, ins, outs, act, attrs=None):
+def _lt_key(stream, ins, outs, act, attrs=None, ctx=None):
     x, w = ins[0], ins[1]
+    # the context too: a plan names its context's handle and workspace, which die with it (a later
+    # executor's arrays may sit at the same addresses)
     return (str(stream), act, str(x.dtype), x.shape, w.shape) + tuple(a.data.ptr for a in ins) \
-        + tuple(o.data.ptr for o in outs) + _flags(attrs)
+        + tuple(o.data.ptr for o in outs) + _flags(attrs) + (id(ctx),)
+
+
+def forget_context(ctx) -> None:
+    """Drop the plans of a closing context (DeviceContext.close): its handles and workspaces go."""
+    for key in [k for k in _LT_PLANS if k[-1] == id(ctx)]:
+        del _LT_PLANS[key]
 
 
 def _lt_plan(ctx, stream, ins, outs, act, attrs=None):
     """The descriptor, layouts and algorithm of this binding, built once; None (and a notice)
     when cuBLASLt is missing or refuses the case: the twins then run the three unfused kernels."""
-    key = _lt_key(stream, ins, outs, act, attrs)
+    key = _lt_key(stream, ins, outs, act, attrs, ctx)
     if key in _LT_PLANS:
         plan = _LT_PLANS[key]
     else:
@@ -370,11 +378,14 @@ def _lt_build(ctx, stream, sp):
             lt.matmul_preference_set_attribute(pref, int(attr), buf.ctypes.data, buf.itemsize)
 
         pref_put(P.MAX_WORKSPACE_BYTES, ws_bytes)
-        # the heuristic assumes 256-byte aligned operands unless told: tell it what they are
-        for attr, arr in (("MIN_ALIGNMENT_A_BYTES", A), ("MIN_ALIGNMENT_B_BYTES", B), ("MIN_ALIGNMENT_C_BYTES", D),
-                          ("MIN_ALIGNMENT_D_BYTES", D)):
+        # The heuristic assumes 256-byte aligned operands unless told.  It is told 16 bytes (what
+        # every operand is checked to have), never the alignment these pointers happen to have:
+        # an algorithm chosen for a 256-byte aligned allocation faulted intermittently on the H200
+        # (an illegal address in the warm-up, the first executor of a process), and a choice that
+        # depends on where the allocator put the arrays is not reproducible either.
+        for attr in ("MIN_ALIGNMENT_A_BYTES", "MIN_ALIGNMENT_B_BYTES", "MIN_ALIGNMENT_C_BYTES", "MIN_ALIGNMENT_D_BYTES"):
             if hasattr(P, attr):
-                pref_put(getattr(P, attr), _alignment(arr.data.ptr))
+                pref_put(getattr(P, attr), 16)
         res = np.zeros((1,), dtype=np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64),
                                              ("state", np.int32), ("waves", np.float32),
                                              ("reserved", np.int32, (4,))]))
