@@ -62,7 +62,12 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             if k not in step_units:
                 step_units[k] = len(units)
                 nm = "prologue" if k < 0 else f"step{k}[{slots[k % period]}]" if slots[0] else f"step{k}"
-                units.append(Unit(len(units), nm, "step" if k >= 0 else "prologue", home, slot, k, span))
+                # The step's own slot, not its first launch's: units of one slot share their
+                # events (barriers._unit_share), and a step of slot a must not share its end with
+                # a step of slot b (a host wait for the copy of the step before the last would
+                # move to the last step's end, and the host would wait for the whole last graph)
+                own = slots[k % period] if k >= 0 and slots[0] else slot
+                units.append(Unit(len(units), nm, "step" if k >= 0 else "prologue", home, own, k, span))
             return step_units[k]
         units.append(Unit(len(units), name, graph, home, slot, k, span))
         return len(units) - 1
