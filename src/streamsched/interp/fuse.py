@@ -52,35 +52,47 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
                        one_stream=schedule.policy == "explicit")
     groups: list[list[Task]] = []
     held: _Held | None = None  # the bytes and names the last group's parts own (for _joins)
+    sig = None  # what every part of the last group shares (_signature), None: it takes no part
+    fusible = FUSIBLE
     for t in tasks:
-        g = groups[-1] if groups else None
-        if g is not None and held is not None and _joins(g, t, bufs, held):
-            g.append(t)
-            held.add(_own(t)[1], bufs)
+        if t.kernel not in fusible or t.stream == HOST:
+            groups.append([t])  # (most tasks: no run grows past them)
+            held = sig = None
+            continue
+        shared, own = _own(t)
+        tsig = _signature(t, shared)
+        if sig is not None and tsig == sig and _joins(own, shared, bufs, held):
+            groups[-1].append(t)
+            held.add(own, bufs)
         else:
             groups.append([t])
             held = _Held()
-            held.add(_own(t)[1] if t.kernel in FUSIBLE else [], bufs)
+            held.add(own, bufs)
+            sig = tsig
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
                                        for g in groups):
         return schedule
-    out: list[Task] = []
-    new_id: dict[int, int] = {}
+    new_id: list[int] = [0] * len(schedule.tasks)  # by old id (the unfused schedule's indexes)
+    kept: list[Task | list[Task]] = []
     for g in groups:
+        nid = len(kept)
         if len(g) >= max(2, min_parts) and _fusible(g[0], kernels, KERNELS):
-            nid = len(out)
             for t in g:
                 new_id[t.id] = nid
-            out.append(_merge(g, nid))
+            kept.append(g)
         else:
             for t in g:
-                new_id[t.id] = len(out)
-                out.append(evolve(t, id=len(out)))
+                new_id[t.id] = len(kept)
+                kept.append(t)
     fixed = []
-    for t in out:
-        after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
-        after = tuple(a for a in after if a != t.id)
-        fixed.append(evolve(t, after=after) if after != t.after else t)
+    for nid, t in enumerate(kept):
+        if type(t) is list:
+            t = _merge(t, nid)
+        if t.after:
+            after = tuple(dict.fromkeys(a for a in map(new_id.__getitem__, t.after) if a != nid))
+        else:
+            after = ()
+        fixed.append(t if nid == t.id and after == t.after else evolve(t, id=nid, after=after))
     return replace(schedule, tasks=tuple(fixed))
 
 
@@ -286,35 +298,22 @@ class _Held:
         return i > 0 and en[i - 1] > lo
 
 
-def _joins(g: list[Task], t: Task, bufs, held: "_Held | None" = None) -> bool:
-    first = g[0]
-    if t.kernel != first.kernel or t.kernel not in FUSIBLE or t.stream != first.stream or t.stream == HOST:
-        return False
-    if (t.unit, t.step, t.slot, t.launch) != (first.unit, first.step, first.slot, first.launch):
-        return False
-    if len(t.args) != len(first.args) or len(t.outs) != len(first.outs):
-        return False
-    if _plain_attrs(t) != _plain_attrs(first):
-        return False
-    shared, own = _own(t)
-    fshared, _ = _own(first)
-    if shared != fshared:
-        return False
+def _signature(t: Task, shared: list[str]) -> tuple:
+    """What the parts of one run share (module docstring): kernel, stream, unit, step, slot and
+    step statement, arity, attributes but a fill's shape and dtype, and the shared scalars."""
+    return (t.kernel, t.stream, t.unit, t.step, t.slot, t.launch, len(t.args), len(t.outs), _plain_attrs(t), shared)
+
+
+def _joins(own: list[str], shared: list[str], bufs, held: "_Held") -> bool:
+    """Whether a task with the group's signature and its own tensors `own` may join the group
+    whose parts own `held`: its own tensors share no byte with the shared scalars, nor a name or
+    a byte with another part's."""
     mine = [bufs[n] for n in own if n in bufs]
     for b in mine:
         for s in shared:
             if s in bufs and b.overlaps(bufs[s]):
                 return False
-    if held is not None:
-        return not any(n in held.names for n in own) and not any(held.hits(b) for b in mine)
-    for p in g:
-        _, pown = _own(p)
-        for n in pown:
-            if n in bufs:
-                pb = bufs[n]
-                if any(b.overlaps(pb) or b.name == pb.name for b in mine):
-                    return False
-    return True
+    return not any(n in held.names for n in own) and not any(held.hits(b) for b in mine)
 
 
 def _merge(g: list[Task], nid: int) -> Task:
