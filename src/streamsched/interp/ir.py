@@ -167,16 +167,35 @@ class Task:
         return default
 
 
-_TASK_FIELDS = ()  # set below, once Task exists
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def evolve(task: Task, **changes: Any) -> Task:
-    """`dataclasses.replace(task, **changes)` without its per-call introspection: the passes copy
-    every task of a large schedule at least once (unroll's renumbering, barriers' replays)."""
-    return Task(*[changes[n] if n in changes else getattr(task, n) for n in _TASK_FIELDS])
+def evolve(obj: Any, **changes: Any) -> Any:
+    """`dataclasses.replace(obj, **changes)` without its per-call introspection: the passes copy
+    every task of a large schedule at least once (the front end's templates and sites, unroll,
+    fusion).  A frozen record without `__slots__` and without `__post_init__` (Site,
+    TaskTemplate) is copied by its `__dict__` (what `replace` would rebuild field by field); any
+    other (Task) is made again through its `__init__`.  Raises TypeError, as `replace` does, for a
+    name that is not an init field."""
+    cls = type(obj)
+    names = _INIT_FIELDS.get(cls)
+    if names is None:
+        names = _INIT_FIELDS[cls] = tuple(f.name for f in fields(cls) if f.init)
+        if not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__") and len(names) == len(fields(cls)):
+            _DICT_COPY.add(cls)
+    for n in changes:
+        if n not in names:
+            raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+    if cls in _DICT_COPY:
+        new = object.__new__(cls)
+        d = new.__dict__
+        d.update(obj.__dict__)
+        d.update(changes)
+        return new
+    return cls(*[changes[n] if n in changes else getattr(obj, n) for n in names])
 
 
-_TASK_FIELDS = tuple(f.name for f in fields(Task))
+_DICT_COPY: set[type] = set()
 
 
 @dataclass(frozen=True)
