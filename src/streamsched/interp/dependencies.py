@@ -207,37 +207,45 @@ def dependencies(schedule: Schedule) -> tuple[Edge, ...]:
     _check_ids(schedule)
     roots = alias_roots(schedule)
     acc = task_accesses(schedule)
-    last_w: dict[int, tuple[int, str]] = {}
-    readers: dict[int, list[tuple[int, str]]] = {}
+    n_segs = 1 + max((a[-1][0] for a in acc if a), default=-1)  # (a task's accesses are sorted by segment)
+    last_w: list[tuple[int, str] | None] = [None] * n_segs  # per segment: its last writer and the name it wrote
+    readers: list[list[tuple[int, str]] | None] = [None] * n_segs  # per segment: the readers since
     out: list[Edge] = []
+    kinds = _KINDS
     # Every edge into v is found while v is processed, so duplicates (a buffer of several
     # segments) are merged and the edges sorted per v: no table of all edges is ever held.
     for t in schedule.tasks:
         v = t.id
         mine: dict[tuple[int, int, str], None] = {}  # (u, kind order, buffer)
         for seg, rname, wname in acc[v]:
-            w = last_w.get(seg)
-            if rname and w is not None and w[0] != v:
-                mine[(w[0], 0, report_name(w[1], rname, roots))] = None
+            w = last_w[seg]
+            if w is not None and w[0] == v:
+                w = None
+            if rname and w is not None:
+                wn = w[1]
+                mine[(w[0], 0, rname if wn == rname else report_name(wn, rname, roots))] = None
             if wname:
-                if w is not None and w[0] != v:
-                    mine[(w[0], 2, report_name(w[1], wname, roots))] = None
-                for r, rn in readers.get(seg, ()):
-                    if r != v:
-                        mine[(r, 1, report_name(rn, wname, roots))] = None
+                if w is not None:
+                    wn = w[1]
+                    mine[(w[0], 2, wname if wn == wname else report_name(wn, wname, roots))] = None
+                rs = readers[seg]
+                if rs:
+                    for r, rn in rs:
+                        if r != v:
+                            mine[(r, 1, wname if rn == wname else report_name(rn, wname, roots))] = None
                 last_w[seg] = (v, wname)
-                readers[seg] = []
+                readers[seg] = None
             else:
-                lst = readers.get(seg)
+                lst = readers[seg]
                 if lst is None:
                     readers[seg] = [(v, rname)]
-                elif not lst or lst[-1][0] != v:
+                elif lst[-1][0] != v:
                     lst.append((v, rname))
         for a in t.after:
             if a < v:
                 mine[(a, 3, "")] = None
         if mine:
-            out.extend(Edge(u, v, _KINDS[k], buf) for u, k, buf in sorted(mine))
+            out.extend([Edge(u, v, kinds[k], buf) for u, k, buf in sorted(mine)])
     return tuple(out)
 
 

@@ -12,13 +12,39 @@ All records are frozen; spans never take part in equality.  Nothing here imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 HOST = "host"
 """The implicit stream of the CPU thread (LANGUAGE.md, "The host")."""
 
 DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "u8": 1, "bool": 1}
+
+
+def _quick_init(cls: type) -> type:
+    """Give a frozen slots dataclass an `__init__` that stores each field through its slot
+    descriptor, the same values the generated one stores through `object.__setattr__` (which
+    looks each name up again): half the cost of making a Task, Edge or Instr, of which a large
+    plan makes millions.  Same signature and defaults; the instances stay frozen (`__setattr__`
+    still raises FrozenInstanceError)."""
+    env: dict[str, Any] = {"__builtins__": {}}
+    params, body = [], []
+    for f in fields(cls):
+        if not f.init or f.default_factory is not MISSING:
+            raise TypeError(f"_quick_init: {cls.__name__}.{f.name} needs the generated __init__")
+        env[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        if f.default is MISSING:
+            params.append(f.name)
+        else:
+            env[f"_def_{f.name}"] = f.default
+            params.append(f"{f.name}=_def_{f.name}")
+        body.append(f"    _set_{f.name}(self, {f.name})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body) + "\n", env)
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init
+    return cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +142,7 @@ class Site:
     `y = block(...)`)."""
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Task:
     """One kernel launch (or one host action) in issue order.
@@ -240,6 +267,7 @@ class Schedule:
         return {b.name: b for b in self.buffers}
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Edge:
     """A required ordering u -> v between tasks (u issued before v)."""
@@ -250,6 +278,7 @@ class Edge:
     buffer: str = ""
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Instr:
     """One instruction of the EventPlan, issued on `stream`.
