@@ -23,7 +23,7 @@ def _roots(schedule: Schedule) -> dict[str, str]:
 
 def _base(name: str) -> str:
     """`x[a]` and `x[b]` are one buffer to a user."""
-    return name.split("[")[0]
+    return name.partition("[")[0]
 
 
 def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]) -> list[Diagnostic]:
@@ -108,12 +108,27 @@ def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
     written_by: dict[str, set[str]] = {}
     for t in schedule.tasks:
         for o in t.outs:
-            written_by.setdefault(_base(o), set()).add(t.kernel)
+            b = _base(o)
+            w = written_by.get(b)
+            if w is None:
+                written_by[b] = {t.kernel}
+            else:
+                w.add(t.kernel)
     out: list[Diagnostic] = []
     last_writer: dict[str, str] = {}  # buffer -> kernel of its latest writer, in issue order
     seed_read: dict[str, int] = {}  # scale -> index of the latest backward seed read
     last_write: dict[str, int] = {}
+    amp = set(_AMP_OPTIMIZERS) | {"update_scale"}
     for idx, t in enumerate(schedule.tasks):
+        kernel = t.kernel
+        if kernel not in amp and kernel not in _PLAIN_OPTIMIZERS:
+            if kernel == "softmax_xent_grad" and t.args:
+                seed_read[_base(t.args[0])] = idx
+            for o in t.outs:
+                b = _base(o)
+                last_writer[b] = kernel
+                last_write[b] = idx
+            continue  # (most tasks: nothing of theirs is checked here)
         op = _op_name(t)
         if t.kernel == "softmax_xent_grad" and t.args:
             seed_read[_base(t.args[0])] = idx
