@@ -149,7 +149,8 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     # writes only (a write races with any access, a read with writes).  A task's position on the
     # lane that covers it is loc_pos[task] (the lists are in lane order, so positions ascend);
     # its names and access kinds are read back from `acc` only for a race.
-    segs: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
+    n_segs = 1 + max((a[-1][0] for a in acc if a), default=-1)  # (a task's accesses are sorted by segment)
+    segs: list[dict[int, tuple[list[int], list[int]]] | None] = [None] * n_segs  # by segment id
     unit_touched: dict[int, list[tuple[int, int]]] = defaultdict(list)  # (segment, lane id) entries made
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
@@ -172,7 +173,6 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
     loc_lane: list[int] = [-1] * n_tasks
     loc_pos: list[int] = [0] * n_tasks
     pos_of = loc_pos.__getitem__
-    segs_get = segs.get
     clock_get = clock.get
     for i, ins in enumerate(plan.instrs):
         op = ins.op
@@ -199,8 +199,9 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             check = v >= races_from
             in_unit = unit >= 0
             touched = unit_touched[unit] if in_unit else None
+            cget = c.get
             for seg, rname, wname in acc[v]:
-                by_lane = segs_get(seg)
+                by_lane = segs[seg]
                 if by_lane is None:
                     segs[seg] = {lane: ([v], [v]) if wname else ([v], [])}
                     if in_unit:
@@ -214,17 +215,15 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                             mine = e  # program order
                             continue
                         ts = e[k]
-                        if not ts:
-                            continue  # nothing it conflicts with
-                        seen = c.get(other, 0)
-                        if loc_pos[ts[-1]] <= seen:
-                            continue  # the lane's accesses are in its order: all covered
-                        vw, vname = bool(wname), wname or rname
-                        for u in ts[bisect_right(ts, seen, key=pos_of):]:
-                            if (u, v) not in races:
-                                uw, uname = access_of(u, seg)
-                                races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
-                                raced = True
+                        # the lane's accesses are in its order: all are covered when its last is
+                        if ts and loc_pos[ts[-1]] > cget(other, 0):
+                            seen = cget(other, 0)
+                            vw, vname = bool(wname), wname or rname
+                            for u in ts[bisect_right(ts, seen, key=pos_of):]:
+                                if (u, v) not in races:
+                                    uw, uname = access_of(u, seg)
+                                    races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                                    raced = True
                 else:
                     mine = by_lane.get(lane)
                 if mine is None:
