@@ -127,7 +127,8 @@ def _pairs(tasks, bufs, kernels, stdlib):
             i += 1
     if not gone:
         return tasks
-    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    gone_ids = gone.keys()
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if t.after and not gone_ids.isdisjoint(t.after)
                  else t for t in out)
 
 
@@ -145,9 +146,12 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         return tasks
     bufs = {b.name: b for b in buffers}
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3)
-    for i in range(len(tasks) - 2):
-        t1, t2, t3 = tasks[i], tasks[i + 1], tasks[i + 2]
-        if t1.kernel != "matmul" or any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
+    last = len(tasks) - 2
+    for i, t1 in enumerate(tasks):
+        if t1.kernel != "matmul" or i >= last:
+            continue
+        t2, t3 = tasks[i + 1], tasks[i + 2]
+        if any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
             continue
         if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
             continue
@@ -167,10 +171,6 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         cand[i] = (t1, t2, t3)
     if not cand:
         return tasks
-    readers: dict[str, set[int]] = {}
-    for t in tasks:
-        for a in t.args:
-            readers.setdefault(a, set()).add(t.id)
 
     # buffers by space, sorted by offset, for the overlap query (a scan of every buffer per
     # candidate made the pass quadratic in the model's depth)
@@ -185,22 +185,38 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         starts[sp] = [x[0] for x in lst]
         longest[sp] = max(x[1] - x[0] for x in lst)
 
-    def readers_of(name: str) -> set[int]:
+    def sharing(name: str) -> list[str]:
+        """`name` and every buffer that shares a byte with it."""
         b = bufs[name]
-        r: set[int] = set(readers.get(name, ()))
+        out = [name]
         if not b.nbytes or b.space not in by_space:
-            return r
+            return out
         lst, st = by_space[b.space], starts[b.space]
         lo, hi = b.offset, b.offset + b.nbytes
         j = bisect.bisect_left(st, hi) - 1  # buffers starting before b's end, walked back
         while j >= 0 and st[j] + longest[b.space] > lo:
             if lst[j][1] > lo:
-                r |= readers.get(lst[j][2], set())
+                out.append(lst[j][2])
             j -= 1
+        return out
+
+    watched = {i: (sharing(c[0].outs[0]), sharing(c[1].outs[0]) if c[2].kernel == "relu" else [])
+               for i, c in cand.items()}
+    wanted = {n for pair in watched.values() for names in pair for n in names}
+    readers: dict[str, set[int]] = {n: set() for n in wanted}  # of the buffers a candidate's intermediates touch
+    for t in tasks:
+        if not wanted.isdisjoint(t.args):
+            for a in t.args:
+                if a in wanted:
+                    readers[a].add(t.id)
+
+    def readers_of(names: list[str]) -> set[int]:
+        r: set[int] = set()
+        for n in names:
+            r |= readers[n]
         return r
 
-    need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2].kernel == "relu" else set())
-            for i, c in cand.items()}
+    need = {i: (readers_of(w[0]), readers_of(w[1])) for i, w in watched.items()}
     while True:
         t2s = {c[1].id for c in cand.values()}
         t3s = {c[2].id for c in cand.values()}
@@ -226,7 +242,8 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         else:
             out.append(tasks[i])
             i += 1
-    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    gone_ids = gone.keys()
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if t.after and not gone_ids.isdisjoint(t.after)
                  else t for t in out)
 
 

@@ -13,6 +13,7 @@ All records are frozen; spans never take part in equality.  Nothing here imports
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 HOST = "host"
@@ -194,7 +195,7 @@ class Task:
         return default
 
 
-_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+_INIT_FIELDS: dict[type, tuple[dict[str, int], Any]] = {}  # class -> (init field -> index, getter of them all)
 
 
 def evolve(obj: Any, **changes: Any) -> Any:
@@ -205,21 +206,29 @@ def evolve(obj: Any, **changes: Any) -> Any:
     other (Task) is made again through its `__init__`.  Raises TypeError, as `replace` does, for a
     name that is not an init field."""
     cls = type(obj)
-    names = _INIT_FIELDS.get(cls)
-    if names is None:
-        names = _INIT_FIELDS[cls] = tuple(f.name for f in fields(cls) if f.init)
+    known = _INIT_FIELDS.get(cls)
+    if known is None:
+        names = tuple(f.name for f in fields(cls) if f.init)
+        known = _INIT_FIELDS[cls] = ({n: i for i, n in enumerate(names)}, attrgetter(*names))
         if not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__") and len(names) == len(fields(cls)):
             _DICT_COPY.add(cls)
-    for n in changes:
-        if n not in names:
-            raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+    index, getter = known
     if cls in _DICT_COPY:
+        for n in changes:
+            if n not in index:
+                raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
         new = object.__new__(cls)
         d = new.__dict__
         d.update(obj.__dict__)
         d.update(changes)
         return new
-    return cls(*[changes[n] if n in changes else getattr(obj, n) for n in names])
+    vals = list(getter(obj)) if len(index) > 1 else [getter(obj)]
+    for n, x in changes.items():
+        i = index.get(n)
+        if i is None:
+            raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+        vals[i] = x
+    return cls(*vals)
 
 
 _DICT_COPY: set[type] = set()
