@@ -34,6 +34,7 @@ import bisect
 
 from dataclasses import replace
 
+from streamsched.interp.dependencies import storage_segments
 from streamsched.interp.ir import HOST, Schedule, Task, evolve
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
@@ -50,6 +51,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     bufs = schedule.buffer_map()
     tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
                        one_stream=schedule.policy == "explicit")
+    # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
+    segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
     groups: list[list[Task]] = []
     held: _Held | None = None  # the bytes and names the last group's parts own (for _joins)
     sig = None  # what every part of the last group shares (_signature), None: it takes no part
@@ -66,7 +69,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             held.add(own, bufs)
         else:
             groups.append([t])
-            held = _Held()
+            held = _Held(segs)
             held.add(own, bufs)
             sig = tsig
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
@@ -274,25 +277,35 @@ def _own(t: Task) -> tuple[list[str], list[str]]:
 
 
 class _Held:
-    """The names and byte ranges the parts of one growing group own: ranges per space sorted by
-    start, so that a new part's overlap test is a bisection, not a scan of every part (a
-    700-parameter optimizer call made the scan quadratic).  While the held ranges are disjoint
-    (parts never share bytes; only one part's own tensors could), the range starting last
-    before b's end is the only one that can reach b; otherwise every range is tested."""
+    """The names and bytes the parts of one growing group own.  With `segs`
+    (`dependencies.storage_segments` of a schedule whose buffers are all placed) the bytes are
+    the set of storage segments they cover: two planned buffers share a byte exactly when they
+    share a segment, so a new part's overlap test is one set intersection per buffer, whatever
+    the order of the parts' offsets.  Without it, byte ranges per space sorted by start, so that
+    the test is a bisection, not a scan of every part (a 700-parameter optimizer call made the
+    scan quadratic); while the held ranges are disjoint (parts never share bytes; only one part's
+    own tensors could), the range starting last before b's end is the only one that can reach b;
+    otherwise every range is tested."""
 
-    def __init__(self):
+    def __init__(self, segs: dict[str, tuple[int, ...]] | None = None):
         self.names: set[str] = set()
+        self.segs = segs
+        self.held: set[int] = set()  # segments (with segs)
         self.starts: dict[str, list[int]] = {}
         self.ends: dict[str, list[int]] = {}
         self.disjoint = True
 
     def add(self, names, bufs) -> None:
+        segs = self.segs
         for n in names:
             if n in self.names:
                 continue  # (a part's tensor read and written: one range)
             self.names.add(n)
             b = bufs.get(n)
             if b is None or b.nbytes == 0:
+                continue
+            if segs is not None:
+                self.held.update(segs[n])
                 continue
             if self.disjoint and self.hits(b):
                 self.disjoint = False
@@ -305,6 +318,8 @@ class _Held:
         """Whether buffer b shares a byte with a held range."""
         if b.nbytes == 0:
             return False
+        if self.segs is not None:
+            return not self.held.isdisjoint(self.segs[b.name])
         st, en = self.starts.get(b.space), self.ends.get(b.space)
         if not st:
             return False
