@@ -72,6 +72,7 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
         if b.alias_of is None:
             for s in segs.get(b.name, ()):
                 owner[s] = (b.name, -1)
+    owner_get = owner.get
     produced: set[str] = {n for n in initialized if n in bufs}  # values that exist (written or initial)
     writer: dict[str, int] = {}  # buffer -> its latest writer
     seen: set[tuple] = set()
@@ -181,9 +182,11 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
         prev_step = t.step
         for a in t.args:  # (a name read twice reports once: `report` merges the same reader)
             if a in produced:
-                by = destroyed(a)
-                if by is not None:
-                    report(a, by, t)
+                for sg in segs_get(a, ()):  # (destroyed, inline: every task reads)
+                    by = owner_get(sg)
+                    if by is not None and by[0] != a:
+                        report(a, by, t)
+                        break
         self_overlap(t)
         for o in t.outs:
             mark = (o, t.id)
