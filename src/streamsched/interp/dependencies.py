@@ -28,8 +28,9 @@ KIND_ORDER = {"RAW": 0, "WAR": 1, "WAW": 2, "AFTER": 3}
 def alias_roots(schedule: Schedule) -> dict[str, str]:
     """Buffer name -> the name at the end of its `alias_of` chain (itself when it aliases
     nothing).  A broken or cyclic chain stops at the last buffer it reached.  Computed once per
-    schedule; callers must not mutate the returned dict."""
-    return _cached("roots", schedule, _alias_roots)
+    buffer table (a schedule and its fused form share one); callers must not mutate the returned
+    dict."""
+    return _cached("roots", schedule.buffers, lambda _: _alias_roots(schedule))
 
 
 def _alias_roots(schedule: Schedule) -> dict[str, str]:
@@ -64,8 +65,9 @@ def _extent(b: Buffer, bufs: dict[str, Buffer]) -> tuple[str, int, int] | tuple[
 
 def storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
     """Buffer name -> ids of the elementary storage segments it covers (`_storage_segments`);
-    computed once per schedule.  Callers must not mutate the returned dict."""
-    return _cached("segments", schedule, _storage_segments)
+    computed once per buffer table (a schedule and its fused form share one).  Callers must not
+    mutate the returned dict."""
+    return _cached("segments", schedule.buffers, lambda _: _storage_segments(schedule))
 
 
 def _storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
@@ -111,18 +113,19 @@ def _storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
 _CACHE: dict[tuple[str, int], tuple[object, object]] = {}
 
 
-def _cached(kind: str, schedule: Schedule, make):
-    """`make(schedule)`, computed once per schedule object (every pass after unroll asks for
-    the same segments and accesses; a schedule is frozen, so its answer never changes).  Keyed by
-    identity, with the schedule kept alive beside its answer; the cache holds the last few."""
-    key = (kind, id(schedule))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is schedule:
+def _cached(kind: str, key: object, make):
+    """`make(key)`, computed once per key object, a schedule or its buffer table (every pass
+    after unroll asks for the same segments and accesses; both are frozen, so the answer never
+    changes).  Keyed by identity, with the key kept alive beside its answer; the cache holds the
+    last few."""
+    k = (kind, id(key))
+    hit = _CACHE.get(k)
+    if hit is not None and hit[0] is key:
         return hit[1]
-    value = make(schedule)
+    value = make(key)
     if len(_CACHE) > 16:
         _CACHE.clear()
-    _CACHE[key] = (schedule, value)
+    _CACHE[k] = (key, value)
     return value
 
 
