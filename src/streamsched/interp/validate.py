@@ -145,12 +145,13 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
         return x
 
     records: dict[int, tuple[int, int, dict[int, int]]] = {}  # event -> (index, unit, clock)
-    # Accesses per segment and lane, in lane order: [task ids] of all accesses, then of the
-    # writes only (a write races with any access, a read with writes).  A task's position on the
-    # lane that covers it is loc_pos[task] (the lists are in lane order, so positions ascend);
-    # its names and access kinds are read back from `acc` only for a race.
+    # Accesses per segment and lane: [task ids of all accesses in lane order, position of the
+    # last access, position of the last write (0: none)].  A write races with any access, a read
+    # with writes; the lane's accesses are covered when its last one (or last write) is.  A
+    # task's position is loc_pos[task] (positions ascend along the list); its names and access
+    # kinds are read back from `acc` only for a race.
     n_segs = 1 + max((a[-1][0] for a in acc if a), default=-1)  # (a task's accesses are sorted by segment)
-    segs: list[dict[int, tuple[list[int], list[int]]] | None] = [None] * n_segs  # by segment id
+    segs: list[dict[int, list] | None] = [None] * n_segs  # by segment id: lane id -> entry
     unit_touched: dict[int, list[tuple[int, int]]] = defaultdict(list)  # (segment, lane id) entries made
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
@@ -203,37 +204,38 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             for seg, rname, wname in acc[v]:
                 by_lane = segs[seg]
                 if by_lane is None:
-                    segs[seg] = {lane: ([v], [v]) if wname else ([v], [])}
+                    segs[seg] = {lane: [[v], p, p if wname else 0]}
                     if in_unit:
                         touched.append((seg, lane))
                     continue
                 mine = None
                 if check:
-                    k = 0 if wname else 1
+                    k = 1 if wname else 2
                     for other, e in by_lane.items():
                         if other == lane:
                             mine = e  # program order
-                            continue
-                        ts = e[k]
-                        # the lane's accesses are in its order: all are covered when its last is
-                        if ts and loc_pos[ts[-1]] > cget(other, 0):
+                        elif e[k] > cget(other, 0):
+                            # not all covered: each access (write, for a read) after what v's lane has seen
                             seen = cget(other, 0)
                             vw, vname = bool(wname), wname or rname
+                            ts = e[0]
                             for u in ts[bisect_right(ts, seen, key=pos_of):]:
                                 if (u, v) not in races:
                                     uw, uname = access_of(u, seg)
-                                    races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
-                                    raced = True
+                                    if uw or wname:
+                                        races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                                        raced = True
                 else:
                     mine = by_lane.get(lane)
                 if mine is None:
-                    by_lane[lane] = ([v], [v]) if wname else ([v], [])
+                    by_lane[lane] = [[v], p, p if wname else 0]
                     if in_unit:
                         touched.append((seg, lane))
                 else:
                     mine[0].append(v)
+                    mine[1] = p
                     if wname:
-                        mine[1].append(v)
+                        mine[2] = p
             if in_unit:
                 unit_tasks[unit].append(v)
             if first_race and races:
@@ -283,10 +285,15 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 moved = by_lane.pop(lane)
                 e = by_lane.get(eager)
                 if e is None:
+                    moved[1] = e_pos
+                    if moved[2]:
+                        moved[2] = e_pos
                     by_lane[eager] = moved
                 else:
                     e[0].extend(moved[0])
-                    e[1].extend(moved[1])
+                    e[1] = e_pos
+                    if moved[2]:
+                        e[2] = e_pos
             for t in members:
                 loc_lane[t] = eager
                 loc_pos[t] = e_pos
