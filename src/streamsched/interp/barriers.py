@@ -561,17 +561,18 @@ def _replayed(plan: EventPlan, m: int, copies: int):
 
     afters = [t.after for t in s.tasks]
     origin = list(range(n))
+    block_ids = [t.id for t in block]
     for rep in range(1, copies + 1):
         for t in block:
-            afters.append(tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None))
-            origin.append(t.id)
+            afters.append(tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None) if t.after else ())
+        origin.extend(block_ids)
     instrs = list(plan.instrs)
     tail = [ins for ins in plan.instrs if ins.step >= steps - m]
+    nb, nbu = len(block), len(bunits)
     for rep in range(1, copies + 1):
-        for ins in tail:
-            instrs.append(Instr(ins.op, ins.stream, copy_id(ins.task, rep) if ins.task >= 0 else -1, ins.event,
-                                nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1,
-                                ins.step + rep * m))
+        tbase, ubase, dstep = n + (rep - 1) * nb, nu + (rep - 1) * nbu, rep * m  # (copy_id, inline)
+        instrs.extend([Instr(ins.op, ins.stream, tbase + index[ins.task] if ins.task >= 0 else -1, ins.event,
+                             ubase + uindex[ins.unit] if ins.unit >= 0 else -1, ins.step + dstep) for ins in tail])
     return tuple(instrs), afters, origin
 
 
