@@ -48,6 +48,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     # order, synchronize): kept aside and merged once, in _host_first, instead of rebuilding
     # the frozen task at each addition.
     more_after: dict[int, set[int]] = {}
+    launch_after: dict[int, tuple[int, ...]] = {}  # the same, for edges a whole launch gets (shared tuples)
     per_slot: dict[tuple, list[tuple]] = {}  # (launch, slot, tag, ahead) -> per template (see emit)
 
     def slot_for(k: int, which: str) -> str:
@@ -182,15 +183,16 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             # The host returns from a `synchronize` only once all earlier work is done, and issues
             # everything after it only then (cudaDeviceSynchronize): later work follows it.
             for tid in ids:
-                more_after.setdefault(tid, set()).update(last_sync)
+                launch_after[tid] = tuple(last_sync)
         if launch.kind == "graph":
             instances.append((launch.graph, slot, ids))
         if extra:
             # The launch's device work follows; its host staging is ordered by its own hazards
             # alone (the copy that last read the slot, above), since the step issues it first.
+            shared = tuple(extra)  # (one tuple for all the launch's tasks, merged in _host_first)
             for tid in ids:
                 if tasks[tid][_STREAM] != HOST:
-                    more_after.setdefault(tid, set()).update(extra)
+                    launch_after[tid] = launch_after[tid] + shared if tid in launch_after else shared
         issued[(k, li)] = ids
 
     # Prologue: the launches made on `next`, for step 0's slot.
@@ -202,7 +204,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             slot = slot_for(k, l.slot) if l.kind == "graph" and l.slot else (slots[k % period] if l.kind != "graph" else "")
             ahead = 1 if l.kind == "graph" and l.slot == "next" else 0
             emit(k, li, l, slot, ahead)
-    tasks = _host_first(tasks, capture, more_after)
+    tasks = _host_first(tasks, capture, more_after, launch_after)
     streams = tuple(n for n, _ in program.streams) + (HOST,)
     return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy,
                     launches=tuple(program.step))
@@ -213,12 +215,13 @@ _ID, _STREAM, _ARGS, _OUTS, _ATTRS, _AFTER, _STEP, _LAUNCH = 0, 2, 3, 4, 5, 6, 1
 _host_first, when its final id and `after` are known)."""
 
 
-def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]]) -> list[Task]:
+def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]],
+                launch_after: dict[int, tuple[int, ...]] | None = None) -> list[Task]:
     """Issue each launch's host work (staging writes) before its device work, so a capture
     unit's tasks stay contiguous: the host fills the pinned slot, then launches the graph.
     Under capture = step the group is the whole step; otherwise one launch (one unit).
     tasks: rows of Task fields in order (`_ID`...); more_after: per task id, the `after` edges
-    unroll added to it (merged here, once)."""
+    unroll added to it (merged here, once); launch_after: the same, for edges a whole launch gets."""
     if capture == "step":
         order = sorted(range(len(tasks)), key=lambda i: (tasks[i][_STEP], tasks[i][_STREAM] != HOST, i))
     else:
@@ -230,8 +233,17 @@ def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]
     for nid, old in enumerate(order):
         t = tasks[old]
         more = more_after.get(old)
+        whole = launch_after.get(old) if launch_after else None
         t_after = t[_AFTER]
-        after = tuple(sorted(new_id[a] for a in (set(t_after) | more if more else t_after))) if t_after or more else ()
+        if more or whole:
+            merged = set(t_after)
+            if more:
+                merged |= more
+            if whole:
+                merged.update(whole)
+            after = tuple(sorted(new_id[a] for a in merged))
+        else:
+            after = tuple(sorted(new_id[a] for a in t_after)) if t_after else ()
         attrs = t[_ATTRS]
         if t[_STREAM] == HOST and after and after[-1] > nid:
             # Only under capture = step can host work move above device work it must follow: a
