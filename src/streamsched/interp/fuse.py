@@ -35,7 +35,7 @@ import bisect
 from dataclasses import replace
 
 from streamsched.interp.dependencies import storage_segments
-from streamsched.interp.ir import HOST, Schedule, Task, evolve
+from streamsched.interp.ir import HOST, Schedule, Task, evolve, renumbered
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
 
@@ -95,7 +95,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             after = tuple(dict.fromkeys(a for a in map(new_id.__getitem__, t.after) if a != nid))
         else:
             after = ()
-        fixed.append(t if nid == t.id and after == t.after else evolve(t, id=nid, after=after))
+        fixed.append(t if nid == t.id and after == t.after else renumbered(t, nid, after))
     return replace(schedule, tasks=tuple(fixed))
 
 

@@ -233,6 +233,21 @@ def evolve(obj: Any, **changes: Any) -> Any:
 
 _DICT_COPY: set[type] = set()
 
+_BEFORE_AFTER = attrgetter("kernel", "stream", "args", "outs", "attrs")
+_PAST_AFTER = attrgetter("unit", "op", "rep_stream", "step", "slot", "key", "label", "stmt", "span", "launch", "site")
+
+
+if tuple(f.name for f in fields(Task)) != ("id", "kernel", "stream", "args", "outs", "attrs", "after", "unit", "op",
+                                           "rep_stream", "step", "slot", "key", "label", "stmt", "span", "launch",
+                                           "site"):
+    raise ImportError("ir.renumbered lists Task's fields in order: update it with Task")
+
+
+def renumbered(task: Task, id: int, after: tuple[int, ...]) -> Task:  # noqa: A002 (the field's name)
+    """`evolve(task, id=id, after=after)`, the copy every renumbering pass makes of each task
+    (fusion), made without evolve's per-call bookkeeping."""
+    return Task(id, *_BEFORE_AFTER(task), after, *_PAST_AFTER(task))
+
 
 @dataclass(frozen=True)
 class Unit:
