@@ -69,7 +69,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             held.add(own, bufs)
         else:
             groups.append([t])
-            held = _Held(segs)
+            held = _Held(segs, shared, bufs)
             held.add(own, bufs)
             sig = tsig
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
@@ -287,10 +287,13 @@ class _Held:
     own tensors could), the range starting last before b's end is the only one that can reach b;
     otherwise every range is tested."""
 
-    def __init__(self, segs: dict[str, tuple[int, ...]] | None = None):
+    def __init__(self, segs: dict[str, tuple[int, ...]] | None = None, shared=(), bufs=None):
         self.names: set[str] = set()
         self.segs = segs
         self.held: set[int] = set()  # segments (with segs)
+        # the segments of the group's shared scalars (with segs): no part's own tensor may touch them
+        self.shared: set[int] = {g for n in shared if bufs is not None and n in bufs and bufs[n].nbytes
+                                 for g in segs[n]} if segs is not None else set()
         self.starts: dict[str, list[int]] = {}
         self.ends: dict[str, list[int]] = {}
         self.disjoint = True
@@ -340,6 +343,20 @@ def _joins(own: list[str], shared: list[str], bufs, held: "_Held") -> bool:
     """Whether a task with the group's signature and its own tensors `own` may join the group
     whose parts own `held`: its own tensors share no byte with the shared scalars, nor a name or
     a byte with another part's."""
+    segs = held.segs
+    if segs is not None:  # (placed buffers: a byte shared is a segment shared)
+        names = held.names
+        for n in own:
+            if n in names:
+                return False
+        blocked, taken = held.shared, held.held
+        for n in own:
+            b = bufs.get(n)
+            if b is not None and b.nbytes:
+                sg = segs[n]
+                if not blocked.isdisjoint(sg) or not taken.isdisjoint(sg):
+                    return False
+        return True
     mine = [bufs[n] for n in own if n in bufs]
     for b in mine:
         for s in shared:
