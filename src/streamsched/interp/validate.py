@@ -190,9 +190,10 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 c = clock[lane] = {}
             p = pos[lane] = pos[lane] + 1
             c[lane] = p
+            cget = c.get
             for u in afters[v]:
-                lu, pu = (loc_lane[u], loc_pos[u]) if 0 <= u < n_tasks else (-1, 0)
-                if lu < 0 or (lu != lane and c.get(lu, 0) < pu):
+                lu = loc_lane[u] if 0 <= u < n_tasks else -1
+                if lu < 0 or (lu != lane and cget(lu, 0) < loc_pos[u]):
                     unordered_after.append((u, v))
             loc_lane[v] = lane
             loc_pos[v] = p
@@ -200,7 +201,6 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             check = v >= races_from
             in_unit = unit >= 0
             touched = unit_touched[unit] if in_unit else None
-            cget = c.get
             for seg, rname, wname in acc[v]:
                 by_lane = segs[seg]
                 if by_lane is None:
