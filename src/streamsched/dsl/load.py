@@ -115,5 +115,5 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
     finally:
         # visit calls itself through its closure, a reference cycle that would keep every file's
         # tree alive until the cycle collector runs; dropping the name breaks it
-        del visit
+        visit = None
     return files, diags

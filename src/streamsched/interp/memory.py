@@ -143,7 +143,7 @@ def plan_memory(buffers: Sequence[Buffer], align: int = 256) -> tuple[Buffer, ..
             if b.alias_of is not None:
                 place_alias(b, ())
     finally:
-        del place_alias  # it calls itself through its closure: a cycle the collector would have to free
+        place_alias = None  # it calls itself through its closure: a cycle the collector would have to free
     return tuple(placed[b.name] for b in buffers)
 
 
