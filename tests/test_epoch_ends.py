@@ -131,3 +131,21 @@ def test_order_rows_hold_every_epoch_when_they_fit():
     big = ORDERS_BYTES // (4 * 1000 * 100) + 1  # one epoch more than fits
     assert order_rows(1000, 100, 1000 * big) == 2
     assert order_rows(1000, 100, 1000 * (big - 1)) == big - 1
+
+
+@pytest.mark.parametrize("launch", ["auto", "step"])
+def test_the_cli_takes_epoch_launch(capsys, launch):
+    from streamsched.cli import main
+
+    rc = main(["run", os.path.join(EXAMPLES, "mlp_digits.sched"), "--backend", "cpu", "--epochs", "1", "-q",
+               "--epoch-launch", launch])
+    out = capsys.readouterr().out
+    assert rc == 0 and "cpu: 11 steps" in out
+
+
+def test_the_cli_refuses_an_unknown_epoch_launch(capsys):
+    from streamsched.cli import main
+
+    rc = main(["run", os.path.join(EXAMPLES, "mlp_digits.sched"), "--epoch-launch", "graph"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error[X004]" in err and "--epoch-launch" in err

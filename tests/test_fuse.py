@@ -192,6 +192,31 @@ def test_overlapping_parts_never_fuse():
     assert sum(len(t.attr("parts")) for t in m) == len([t for t in sgd if t.step == a.step]) - 1
 
 
+def test_a_part_touching_a_shared_scalar_never_joins():
+    """An sgd_step whose own tensor shares bytes with the learning rate the run shares (a
+    momentum placed over `lr`) does not join the run before it: the launch reads the scalar
+    once for all parts."""
+    c = compile_file(os.path.join(ROOT, "examples", "mlp_digits.sched"), fuse=False)
+    s = c.schedule
+    from dataclasses import replace
+
+    sgd = [t for t in s.tasks if t.kernel == "sgd_step"]
+    a, b = sgd[0], sgd[1]
+    si, _ = FUSIBLE["sgd_step"]
+    shared = a.args[si[0]]
+    own = next(n for i, n in enumerate(b.args) if i not in si and n not in b.outs)
+    bufs = s.buffer_map()
+    lr, mine = bufs[shared], bufs[own]
+    assert lr.space == mine.space and lr.nbytes
+    moved = replace(mine, offset=lr.offset, nbytes=min(mine.nbytes, lr.nbytes))  # lr's bytes, no other's
+    buffers = tuple(moved if x.name == own else x for x in s.buffers)
+    f = fuse_tasks(replace(s, buffers=buffers), c.program.kernels)
+    with_a = [t for t in f.tasks if t.step == a.step and a.outs[0] in t.outs]
+    assert len(with_a) == 1 and b.outs[0] not in with_a[0].outs
+    untouched = fuse_tasks(s, c.program.kernels)
+    assert any(a.outs[0] in t.outs and b.outs[0] in t.outs for t in untouched.tasks if t.step == a.step)
+
+
 def _small(path):
     return os.path.basename(path) in ("mlp_digits.sched", "resnet_digits_amp.sched", "resnet_lars.sched",
                                       "explicit_mlp.sched", "gpt_text.sched", "five_streams.sched")

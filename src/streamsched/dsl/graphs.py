@@ -8,7 +8,7 @@ Source: LANGUAGE.md ("Graphs", "Slots", "Uploads", "Optimizers", "after").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from streamsched.diagnostics import Label
@@ -23,7 +23,7 @@ from streamsched.dsl.scope import Buffers, Scope, _Abort
 from streamsched.dsl.states import KNOWN_HOST_VALUES, host_value, upload_buffers
 from streamsched.dsl.types import FLOAT_DTYPES, classify, const, type_dtype, type_shape, unify
 from streamsched.interp.fixes import drop_ref
-from streamsched.interp.ir import HOST, Site, Span
+from streamsched.interp.ir import HOST, Site, Span, evolve
 
 def assign_slots(scope: Scope, buffers: Buffers) -> None:
     """Set buffers.slots from the graphs that declare slots (all must declare the same ones:
@@ -131,7 +131,7 @@ class _GraphExpander:
                         lower.expand_op(op, {"x": buf}, {}, out, op_id=op_id, prefix=f"clear.{buf}",
                                         label=f"{g.name.id}: clear@{buf}", call_span=st.span)
                         for i in range(first, len(out)):
-                            out[i] = replace(out[i], label=f"{g.name.id}: clear {buf}")
+                            out[i] = evolve(out[i], label=f"{g.name.id}: clear {buf}")
                         op_id += 1
                 elif isinstance(st, A.UploadStmt):
                     stream = self.streams.stream(st.stream, False) if st.stream else home
@@ -163,7 +163,7 @@ class _GraphExpander:
                 gtail = st.clauses.tail if isinstance(st, A.CallStmt) else None
                 gafters = st.clauses.after_clauses if isinstance(st, A.CallStmt) else ()
                 for i in range(start, len(out)):
-                    out[i] = replace(out[i], site=replace(out[i].site or Site(), gstmt=gi, gname=gname, gtail=gtail,
+                    out[i] = evolve(out[i], site=evolve(out[i].site or Site(), gstmt=gi, gname=gname, gtail=gtail,
                                                           g_afters=gafters))
                 spans_of.append((gname, start, len(out)))
         self.order_afters(g, out, spans_of, pending_after)
@@ -193,8 +193,8 @@ class _GraphExpander:
                 for r in map(root, t.outs):
                     need |= set(readers.get(r, ())) | ({last_writer[r]} if r in last_writer else set())
                 after = tuple(sorted(set(after) | need))
-            site = replace(t.site or Site(), derived=derived)
-            out.append(replace(t, op=t.op + op_base + 1000 * (1 + derived), after=after,
+            site = evolve(t.site or Site(), derived=derived)
+            out.append(evolve(t, op=t.op + op_base + 1000 * (1 + derived), after=after,
                                label=f"{graph}: {t.label}", site=site))
             self._note_access(out[-1], len(out) - 1, last_writer, readers)
 
@@ -228,7 +228,7 @@ class _GraphExpander:
                 for i in range(a, b):
                     sinks[out[i].stream] = i
                 for i in range(start, end):
-                    out[i] = replace(out[i], after=tuple(sorted(set(out[i].after) | set(sinks.values()))))
+                    out[i] = evolve(out[i], after=tuple(sorted(set(out[i].after) | set(sinks.values()))))
 
     def _note_access(self, t: TaskTemplate, i: int, last_writer: dict, readers: dict) -> None:
         for r in map(self.buffers.storage_root, t.args):
@@ -285,7 +285,7 @@ class _GraphExpander:
                       labels=[Label(decl.span, "declared here")] if decl is not None else [],
                       help="start it at a power of two, as GradScaler does: 65536")
         self.loss_scale = sname.id
-        return [replace(t, args=tuple(sname.id if a == SEED else a for a in t.args)) for t in bwd]
+        return [evolve(t, args=tuple(sname.id if a == SEED else a for a in t.args)) for t in bwd]
 
     def clear_targets(self, call: A.Call | A.Name) -> list[str]:
         """The buffers `clear grad(MODEL)` or `clear NAME` (a `state` buffer) zeroes."""

@@ -110,5 +110,10 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
                 rest.append(item)
         files.append(A.File(p, tuple(rest)))
 
-    visit(path, text, (), None)
+    try:
+        visit(path, text, (), None)
+    finally:
+        # visit calls itself through its closure, a reference cycle that would keep every file's
+        # tree alive until the cycle collector runs; dropping the name breaks it
+        visit = None
     return files, diags

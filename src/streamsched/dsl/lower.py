@@ -7,7 +7,7 @@ Source: LANGUAGE.md ("Ops", "into", "after"), docs/kernels.md (the kernels and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamsched.diagnostics import Label
@@ -16,7 +16,7 @@ from streamsched.dsl.names import Streams, expr_names
 from streamsched.dsl.program import SLOT, TaskTemplate
 from streamsched.dsl.scope import Buffers, Scope, Sink, _Abort
 from streamsched.dsl.types import const
-from streamsched.interp.ir import Site, Span
+from streamsched.interp.ir import Site, Span, evolve
 from streamsched.stdlib.kernel_record import KernelTypeError
 
 _KERNELS_HELP = ("kernels are the stdlib primitives listed in docs/kernels.md, the file's `kernel` forms and those "
@@ -136,7 +136,7 @@ class Lowerer:
                     env[t.id] = f"{prefix}.{t.id}" + (f"[{SLOT}]" if into is not None and SLOT in into else "")
                 outs.append(env[t.id])
             first = len(out)
-            self.lower_stmt(st, tuple(outs), into, replace(cx, stream=stream))
+            self.lower_stmt(st, tuple(outs), into, evolve(cx, stream=stream))
             user = not stdlib
             # the user chose this stream: an `on` on a statement of their own op, or a `place` of
             # the op or the statement (the fusion pass never moves such a task to another stream)
@@ -144,7 +144,7 @@ class Lowerer:
                 or op.name in self.scope.places
             for i in range(first, len(out)):
                 # Only a user's op body has lines a fix can edit (an `after`, the removal of `into`).
-                out[i] = replace(out[i], site=Site(
+                out[i] = evolve(out[i], site=Site(
                     op=target0 if user else "", op_tail=st.clauses.tail if user else None,
                     into_span=st.clauses.into_span if into is not None and user and i == len(out) - 1 else None,
                     op_afters=st.clauses.after_clauses if user else (), placed=chosen))
@@ -162,7 +162,7 @@ class Lowerer:
                               help="`after` names an earlier statement of the same op body")
                 ids.append(stmt_index[nm])
             t = out[first]
-            out[first] = replace(t, after=t.after + tuple(ids))
+            out[first] = evolve(t, after=t.after + tuple(ids))
         return cx
 
     def kernel(self, func: A.Name):

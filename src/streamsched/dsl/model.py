@@ -8,7 +8,7 @@ Source: LANGUAGE.md ("Models", "Random sites", "into", "after").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamsched.diagnostics import Label
@@ -20,7 +20,7 @@ from streamsched.dsl.names import Streams
 from streamsched.dsl.program import SLOT, ModelInfo, TaskTemplate
 from streamsched.dsl.scope import INITS, Buffers, Scope, _Abort
 from streamsched.dsl.types import classify, const, type_shape, unify
-from streamsched.interp.ir import Site, Span
+from streamsched.interp.ir import Site, Span, evolve
 
 
 @dataclass
@@ -105,9 +105,9 @@ class _ModelExpander:
                     any(k.startswith(opname + ".") for k in self.scope.places)
                 for i in range(first, len(fwd)):
                     path = st.path or (("", st.targets[0].id, st.clauses.tail),)
-                    site = replace(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail,
+                    site = evolve(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail,
                                    line_path=path, placed=placed or (fwd[i].site or Site()).placed)
-                    fwd[i] = replace(fwd[i], stmt=st.targets[0].id, site=site)
+                    fwd[i] = evolve(fwd[i], stmt=st.targets[0].id, site=site)
                 self.eval_form(calls[-1], fwd[first:])
                 deps: list[int] = []
                 for r in st.clauses.after:
@@ -121,7 +121,7 @@ class _ModelExpander:
                                   help="`after` names an earlier line of the model")
                     deps.extend(producers.get(r.text, []))
                 for i in range(first, len(fwd)):
-                    fwd[i] = replace(fwd[i], after=tuple(sorted(set(fwd[i].after) | set(deps))))
+                    fwd[i] = evolve(fwd[i], after=tuple(sorted(set(fwd[i].after) | set(deps))))
                 for t in st.targets:
                     producers[t.id] = list(range(first, len(fwd)))
             except _Abort:
@@ -212,7 +212,7 @@ class _ModelExpander:
             for i in reversed(range(first, len(fwd))):
                 if set(fwd[i].outs) & results:
                     site = fwd[i].site or Site()
-                    fwd[i] = replace(fwd[i], site=replace(site, into_span=st.clauses.into_span))
+                    fwd[i] = evolve(fwd[i], site=evolve(site, into_span=st.clauses.into_span))
                     break
         return ForwardCall(op, bind, attr_vals, tuple(p.name.id for p in ins), tuple(p.name.id for p in prm),
                            tuple(o.name.id for o in op.outs), st.span, label, inner_env, dict(cx.nested))

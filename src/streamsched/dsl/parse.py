@@ -5,6 +5,7 @@ diagnostics (never a lark exception) whose messages name tokens the way people d
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from functools import lru_cache
 
@@ -64,6 +65,15 @@ class _ToAst(Transformer):
         super().__init__()
         self.path = path
         self.diags: list[Diagnostic] = []  # mistakes the grammar lets through (a clause given twice)
+        # lark binds a `v_args` callback anew (functools.update_wrapper included) at every node it
+        # visits; bound once here, on the instance, the callbacks are plain attribute reads
+        for name, member in _VARGS_CALLBACKS:
+            setattr(self, name, member.__get__(self, type(self)))
+
+    def release(self) -> None:
+        """Drop the bound callbacks (each refers back to the instance: a cycle left to the collector)."""
+        for name, _ in _VARGS_CALLBACKS:
+            self.__dict__.pop(name, None)
 
     def _sp(self, meta) -> Span | None:
         if getattr(meta, "empty", True):
@@ -612,6 +622,11 @@ def _nesting_error(span: Span) -> StreamschedError:
         help="split it into several statements, naming the intermediate results")])
 
 
+_VARGS_CALLBACKS = tuple((name, member) for name in dir(_ToAst)
+                         if type(member := inspect.getattr_static(_ToAst, name)).__name__ == "_VArgsWrapper")
+"""The `v_args` callbacks of _ToAst (and its bases), bound per instance in its __init__."""
+
+
 def parse(text: str, path: str = "<string>") -> A.File:
     """Parse `.sched` text into a `File`.
 
@@ -630,7 +645,10 @@ def parse(text: str, path: str = "<string>") -> A.File:
         raise _nesting_error(span or _deepest_line(text, path))
     try:
         builder = _ToAst(path)
-        items = builder.transform(tree)
+        try:
+            items = builder.transform(tree)
+        finally:
+            builder.release()
     except RecursionError:  # a backstop: the check above keeps the recursion far from the limit
         raise _nesting_error(span or _deepest_line(text, path)) from None
     except VisitError as exc:  # lark wraps what a callback raises

@@ -79,14 +79,18 @@ class _Planner:
         self.preds: dict[int, list[int]] = defaultdict(list)
         every = policy == "auto"
         host_ids = {t.id for t in self.tasks if t.stream == HOST}
+        preds = self.preds
         for e in edges:
-            if e.u >= e.v:
-                raise InternalError(f"insert_barriers: edge {e.u} -> {e.v} does not follow issue order (validate_schedule reports cycles first)")
+            u, v = e.u, e.v
+            if u >= v:
+                raise InternalError(f"insert_barriers: edge {u} -> {v} does not follow issue order (validate_schedule reports cycles first)")
             # The interpreter orders the host's own accesses under every policy (LANGUAGE.md,
             # "The host": it waits on the copy that last read a staging slot before rewriting
             # it); the user has no statement to write an `after` on a staging write.
-            if every or e.kind == "AFTER" or e.u in host_ids or e.v in host_ids:
-                self.preds[e.v].append(e.u)
+            if every or e.kind == "AFTER" or u in host_ids or v in host_ids:
+                lst = preds[v]
+                if not lst or lst[-1] != u:  # (edges of one pair, on several buffers or kinds, are adjacent)
+                    lst.append(u)
 
     # -- primitives -------------------------------------------------------------------------
 
@@ -452,18 +456,20 @@ class _Planner:
         after: dict[int, int] = {self.anchors[a].idx: a for a in needed}
         raw: list[list] = []
         rec_pos: dict[int, int] = {}
-        for i, ins in enumerate(self.ins):
-            if ins[0] != "mark":
-                raw.append(ins)
-            a = after.get(i)
-            if a is not None:
-                A = self.anchors[a]
-                raw.append(["record", A.lane[0], A.task, a, A.lane[1], A.step])
-                rec_pos[a] = len(raw) - 1
         last_wait: dict[int, int] = {}
-        for p, ins in enumerate(raw):
-            if ins[0] == "wait":
-                last_wait[ins[3]] = p
+        append = raw.append
+        for i, ins in enumerate(self.ins):
+            op = ins[0]
+            if op == "wait":
+                last_wait[ins[3]] = len(raw)
+                append(ins)
+            elif op != "mark":
+                append(ins)
+            if i in after:
+                a = after[i]
+                A = self.anchors[a]
+                rec_pos[a] = len(raw)
+                append(["record", A.lane[0], A.task, a, A.lane[1], A.step])
         groups: dict[tuple, list[int]] = defaultdict(list)
         for a in needed:
             share = self.anchors[a].share
@@ -486,11 +492,10 @@ class _Planner:
         first: dict[tuple, int] = {}
         for a in sorted(needed, key=rec_pos.__getitem__):
             first.setdefault(color[a], len(first))
-        out = []
-        for op, stream, task, a, unit, step in raw:
-            event = first[color[a]] if op in ("record", "wait") else -1
-            out.append(Instr(op, stream, task, event, unit, step))
-        return tuple(out), len(first)
+        event_of = {a: first[c] for a, c in color.items()}
+        out = tuple([Instr(op, stream, task, event_of[a] if op == "record" or op == "wait" else -1, unit, step)
+                     for op, stream, task, a, unit, step in raw])
+        return out, len(first)
 
 
 def insert_barriers(schedule: Schedule, edges: tuple[Edge, ...] | list[Edge], policy: str | None = None) -> EventPlan:
@@ -561,17 +566,18 @@ def _replayed(plan: EventPlan, m: int, copies: int):
 
     afters = [t.after for t in s.tasks]
     origin = list(range(n))
+    block_ids = [t.id for t in block]
     for rep in range(1, copies + 1):
         for t in block:
-            afters.append(tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None))
-            origin.append(t.id)
+            afters.append(tuple(x for x in (later(a, rep * m) for a in t.after) if x is not None) if t.after else ())
+        origin.extend(block_ids)
     instrs = list(plan.instrs)
     tail = [ins for ins in plan.instrs if ins.step >= steps - m]
+    nb, nbu = len(block), len(bunits)
     for rep in range(1, copies + 1):
-        for ins in tail:
-            instrs.append(Instr(ins.op, ins.stream, copy_id(ins.task, rep) if ins.task >= 0 else -1, ins.event,
-                                nu + (rep - 1) * len(bunits) + uindex[ins.unit] if ins.unit >= 0 else -1,
-                                ins.step + rep * m))
+        tbase, ubase, dstep = n + (rep - 1) * nb, nu + (rep - 1) * nbu, rep * m  # (copy_id, inline)
+        instrs.extend([Instr(ins.op, ins.stream, tbase + index[ins.task] if ins.task >= 0 else -1, ins.event,
+                             ubase + uindex[ins.unit] if ins.unit >= 0 else -1, ins.step + dstep) for ins in tail])
     return tuple(instrs), afters, origin
 
 

@@ -28,8 +28,9 @@ KIND_ORDER = {"RAW": 0, "WAR": 1, "WAW": 2, "AFTER": 3}
 def alias_roots(schedule: Schedule) -> dict[str, str]:
     """Buffer name -> the name at the end of its `alias_of` chain (itself when it aliases
     nothing).  A broken or cyclic chain stops at the last buffer it reached.  Computed once per
-    schedule; callers must not mutate the returned dict."""
-    return _cached("roots", schedule, _alias_roots)
+    buffer table (a schedule and its fused form share one); callers must not mutate the returned
+    dict."""
+    return _cached("roots", schedule.buffers, lambda _: _alias_roots(schedule))
 
 
 def _alias_roots(schedule: Schedule) -> dict[str, str]:
@@ -64,8 +65,9 @@ def _extent(b: Buffer, bufs: dict[str, Buffer]) -> tuple[str, int, int] | tuple[
 
 def storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
     """Buffer name -> ids of the elementary storage segments it covers (`_storage_segments`);
-    computed once per schedule.  Callers must not mutate the returned dict."""
-    return _cached("segments", schedule, _storage_segments)
+    computed once per buffer table (a schedule and its fused form share one).  Callers must not
+    mutate the returned dict."""
+    return _cached("segments", schedule.buffers, lambda _: _storage_segments(schedule))
 
 
 def _storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
@@ -111,18 +113,19 @@ def _storage_segments(schedule: Schedule) -> dict[str, tuple[int, ...]]:
 _CACHE: dict[tuple[str, int], tuple[object, object]] = {}
 
 
-def _cached(kind: str, schedule: Schedule, make):
-    """`make(schedule)`, computed once per schedule object (every pass after unroll asks for
-    the same segments and accesses; a schedule is frozen, so its answer never changes).  Keyed by
-    identity, with the schedule kept alive beside its answer; the cache holds the last few."""
-    key = (kind, id(schedule))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is schedule:
+def _cached(kind: str, key: object, make):
+    """`make(key)`, computed once per key object, a schedule or its buffer table (every pass
+    after unroll asks for the same segments and accesses; both are frozen, so the answer never
+    changes).  Keyed by identity, with the key kept alive beside its answer; the cache holds the
+    last few."""
+    k = (kind, id(key))
+    hit = _CACHE.get(k)
+    if hit is not None and hit[0] is key:
         return hit[1]
-    value = make(schedule)
+    value = make(key)
     if len(_CACHE) > 16:
         _CACHE.clear()
-    _CACHE[key] = (schedule, value)
+    _CACHE[k] = (key, value)
     return value
 
 
@@ -207,37 +210,45 @@ def dependencies(schedule: Schedule) -> tuple[Edge, ...]:
     _check_ids(schedule)
     roots = alias_roots(schedule)
     acc = task_accesses(schedule)
-    last_w: dict[int, tuple[int, str]] = {}
-    readers: dict[int, list[tuple[int, str]]] = {}
+    n_segs = 1 + max((a[-1][0] for a in acc if a), default=-1)  # (a task's accesses are sorted by segment)
+    last_w: list[tuple[int, str] | None] = [None] * n_segs  # per segment: its last writer and the name it wrote
+    readers: list[list[tuple[int, str]] | None] = [None] * n_segs  # per segment: the readers since
     out: list[Edge] = []
+    kinds = _KINDS
     # Every edge into v is found while v is processed, so duplicates (a buffer of several
     # segments) are merged and the edges sorted per v: no table of all edges is ever held.
     for t in schedule.tasks:
         v = t.id
         mine: dict[tuple[int, int, str], None] = {}  # (u, kind order, buffer)
         for seg, rname, wname in acc[v]:
-            w = last_w.get(seg)
-            if rname and w is not None and w[0] != v:
-                mine[(w[0], 0, report_name(w[1], rname, roots))] = None
+            w = last_w[seg]
+            if w is not None and w[0] == v:
+                w = None
+            if rname and w is not None:
+                wn = w[1]
+                mine[(w[0], 0, rname if wn == rname else report_name(wn, rname, roots))] = None
             if wname:
-                if w is not None and w[0] != v:
-                    mine[(w[0], 2, report_name(w[1], wname, roots))] = None
-                for r, rn in readers.get(seg, ()):
-                    if r != v:
-                        mine[(r, 1, report_name(rn, wname, roots))] = None
+                if w is not None:
+                    wn = w[1]
+                    mine[(w[0], 2, wname if wn == wname else report_name(wn, wname, roots))] = None
+                rs = readers[seg]
+                if rs:
+                    for r, rn in rs:
+                        if r != v:
+                            mine[(r, 1, wname if rn == wname else report_name(rn, wname, roots))] = None
                 last_w[seg] = (v, wname)
-                readers[seg] = []
+                readers[seg] = None
             else:
-                lst = readers.get(seg)
+                lst = readers[seg]
                 if lst is None:
                     readers[seg] = [(v, rname)]
-                elif not lst or lst[-1][0] != v:
+                elif lst[-1][0] != v:
                     lst.append((v, rname))
         for a in t.after:
             if a < v:
                 mine[(a, 3, "")] = None
         if mine:
-            out.extend(Edge(u, v, _KINDS[k], buf) for u, k, buf in sorted(mine))
+            out.extend([Edge(u, v, kinds[k], buf) for u, k, buf in sorted(mine)])
     return tuple(out)
 
 

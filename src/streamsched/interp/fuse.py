@@ -56,7 +56,8 @@ import bisect
 
 from dataclasses import replace
 
-from streamsched.interp.ir import HOST, Buffer, Schedule, Task, evolve
+from streamsched.interp.dependencies import storage_segments
+from streamsched.interp.ir import HOST, Buffer, Schedule, Task, evolve, renumbered
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
 
@@ -74,37 +75,51 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
                        one_stream=explicit)
     tasks, masks = _bwd_epilogues(tasks, schedule.buffers, kernels, KERNELS, one_stream=explicit)
+    # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
+    segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
     groups: list[list[Task]] = []
     held: _Held | None = None  # the bytes and names the last group's parts own (for _joins)
+    sig = None  # what every part of the last group shares (_signature), None: it takes no part
+    fusible = FUSIBLE
     for t in tasks:
-        g = groups[-1] if groups else None
-        if g is not None and held is not None and _joins(g, t, bufs, held):
-            g.append(t)
-            held.add(_own(t)[1], bufs)
+        if t.kernel not in fusible or t.stream == HOST:
+            groups.append([t])  # (most tasks: no run grows past them)
+            held = sig = None
+            continue
+        shared, own = _own(t)
+        tsig = _signature(t, shared)
+        if sig is not None and tsig == sig and _joins(own, shared, bufs, held):
+            groups[-1].append(t)
+            held.add(own, bufs)
         else:
             groups.append([t])
-            held = _Held()
-            held.add(_own(t)[1] if t.kernel in FUSIBLE else [], bufs)
+            held = _Held(segs, shared, bufs)
+            held.add(own, bufs)
+            sig = tsig
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
                                        for g in groups):
         return schedule
-    out: list[Task] = []
-    new_id: dict[int, int] = {}
+    new_id: list[int] = [0] * len(schedule.tasks)  # by old id (the unfused schedule's indexes)
+    kept: list[Task | list[Task]] = []
     for g in groups:
+        nid = len(kept)
         if len(g) >= max(2, min_parts) and _fusible(g[0], kernels, KERNELS):
-            nid = len(out)
             for t in g:
                 new_id[t.id] = nid
-            out.append(_merge(g, nid))
+            kept.append(g)
         else:
             for t in g:
-                new_id[t.id] = len(out)
-                out.append(evolve(t, id=len(out)))
+                new_id[t.id] = len(kept)
+                kept.append(t)
     fixed = []
-    for t in out:
-        after = tuple(dict.fromkeys(new_id[a] for a in t.after if new_id[a] != t.id))
-        after = tuple(a for a in after if a != t.id)
-        fixed.append(evolve(t, after=after) if after != t.after else t)
+    for nid, t in enumerate(kept):
+        if type(t) is list:
+            t = _merge(t, nid)
+        if t.after:
+            after = tuple(dict.fromkeys(a for a in map(new_id.__getitem__, t.after) if a != nid))
+        else:
+            after = ()
+        fixed.append(t if nid == t.id and after == t.after else renumbered(t, nid, after))
     return replace(schedule, tasks=tuple(fixed), buffers=schedule.buffers + masks)
 
 
@@ -139,7 +154,8 @@ def _pairs(tasks, bufs, kernels, stdlib):
             i += 1
     if not gone:
         return tasks
-    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    gone_ids = gone.keys()
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if t.after and not gone_ids.isdisjoint(t.after)
                  else t for t in out)
 
 
@@ -157,9 +173,12 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         return tasks
     bufs = {b.name: b for b in buffers}
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3)
-    for i in range(len(tasks) - 2):
-        t1, t2, t3 = tasks[i], tasks[i + 1], tasks[i + 2]
-        if t1.kernel != "matmul" or any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
+    last = len(tasks) - 2
+    for i, t1 in enumerate(tasks):
+        if t1.kernel != "matmul" or i >= last:
+            continue
+        t2, t3 = tasks[i + 1], tasks[i + 2]
+        if any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
             continue
         if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
             continue
@@ -212,7 +231,8 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         else:
             out.append(tasks[i])
             i += 1
-    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if any(a in gone for a in t.after)
+    gone_ids = gone.keys()
+    return tuple(evolve(t, after=tuple(gone.get(a, a) for a in t.after)) if t.after and not gone_ids.isdisjoint(t.after)
                  else t for t in out)
 
 
@@ -422,25 +442,38 @@ def _own(t: Task) -> tuple[list[str], list[str]]:
 
 
 class _Held:
-    """The names and byte ranges the parts of one growing group own: ranges per space sorted by
-    start, so that a new part's overlap test is a bisection, not a scan of every part (a
-    700-parameter optimizer call made the scan quadratic).  While the held ranges are disjoint
-    (parts never share bytes; only one part's own tensors could), the range starting last
-    before b's end is the only one that can reach b; otherwise every range is tested."""
+    """The names and bytes the parts of one growing group own.  With `segs`
+    (`dependencies.storage_segments` of a schedule whose buffers are all placed) the bytes are
+    the set of storage segments they cover: two planned buffers share a byte exactly when they
+    share a segment, so a new part's overlap test is one set intersection per buffer, whatever
+    the order of the parts' offsets.  Without it, byte ranges per space sorted by start, so that
+    the test is a bisection, not a scan of every part (a 700-parameter optimizer call made the
+    scan quadratic); while the held ranges are disjoint (parts never share bytes; only one part's
+    own tensors could), the range starting last before b's end is the only one that can reach b;
+    otherwise every range is tested."""
 
-    def __init__(self):
+    def __init__(self, segs: dict[str, tuple[int, ...]] | None = None, shared=(), bufs=None):
         self.names: set[str] = set()
+        self.segs = segs
+        self.held: set[int] = set()  # segments (with segs)
+        # the segments of the group's shared scalars (with segs): no part's own tensor may touch them
+        self.shared: set[int] = {g for n in shared if bufs is not None and n in bufs and bufs[n].nbytes
+                                 for g in segs[n]} if segs is not None else set()
         self.starts: dict[str, list[int]] = {}
         self.ends: dict[str, list[int]] = {}
         self.disjoint = True
 
     def add(self, names, bufs) -> None:
+        segs = self.segs
         for n in names:
             if n in self.names:
                 continue  # (a part's tensor read and written: one range)
             self.names.add(n)
             b = bufs.get(n)
             if b is None or b.nbytes == 0:
+                continue
+            if segs is not None:
+                self.held.update(segs[n])
                 continue
             if self.disjoint and self.hits(b):
                 self.disjoint = False
@@ -453,6 +486,8 @@ class _Held:
         """Whether buffer b shares a byte with a held range."""
         if b.nbytes == 0:
             return False
+        if self.segs is not None:
+            return not self.held.isdisjoint(self.segs[b.name])
         st, en = self.starts.get(b.space), self.ends.get(b.space)
         if not st:
             return False
@@ -463,35 +498,36 @@ class _Held:
         return i > 0 and en[i - 1] > lo
 
 
-def _joins(g: list[Task], t: Task, bufs, held: "_Held | None" = None) -> bool:
-    first = g[0]
-    if t.kernel != first.kernel or t.kernel not in FUSIBLE or t.stream != first.stream or t.stream == HOST:
-        return False
-    if (t.unit, t.step, t.slot, t.launch) != (first.unit, first.step, first.slot, first.launch):
-        return False
-    if len(t.args) != len(first.args) or len(t.outs) != len(first.outs):
-        return False
-    if _plain_attrs(t) != _plain_attrs(first):
-        return False
-    shared, own = _own(t)
-    fshared, _ = _own(first)
-    if shared != fshared:
-        return False
+def _signature(t: Task, shared: list[str]) -> tuple:
+    """What the parts of one run share (module docstring): kernel, stream, unit, step, slot and
+    step statement, arity, attributes but a fill's shape and dtype, and the shared scalars."""
+    return (t.kernel, t.stream, t.unit, t.step, t.slot, t.launch, len(t.args), len(t.outs), _plain_attrs(t), shared)
+
+
+def _joins(own: list[str], shared: list[str], bufs, held: "_Held") -> bool:
+    """Whether a task with the group's signature and its own tensors `own` may join the group
+    whose parts own `held`: its own tensors share no byte with the shared scalars, nor a name or
+    a byte with another part's."""
+    segs = held.segs
+    if segs is not None:  # (placed buffers: a byte shared is a segment shared)
+        names = held.names
+        for n in own:
+            if n in names:
+                return False
+        blocked, taken = held.shared, held.held
+        for n in own:
+            b = bufs.get(n)
+            if b is not None and b.nbytes:
+                sg = segs[n]
+                if not blocked.isdisjoint(sg) or not taken.isdisjoint(sg):
+                    return False
+        return True
     mine = [bufs[n] for n in own if n in bufs]
     for b in mine:
         for s in shared:
             if s in bufs and b.overlaps(bufs[s]):
                 return False
-    if held is not None:
-        return not any(n in held.names for n in own) and not any(held.hits(b) for b in mine)
-    for p in g:
-        _, pown = _own(p)
-        for n in pown:
-            if n in bufs:
-                pb = bufs[n]
-                if any(b.overlaps(pb) or b.name == pb.name for b in mine):
-                    return False
-    return True
+    return not any(n in held.names for n in own) and not any(held.hits(b) for b in mine)
 
 
 def _merge(g: list[Task], nid: int) -> Task:

@@ -12,13 +12,40 @@ All records are frozen; spans never take part in equality.  Nothing here imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 HOST = "host"
 """The implicit stream of the CPU thread (LANGUAGE.md, "The host")."""
 
 DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "u8": 1, "bool": 1}
+
+
+def _quick_init(cls: type) -> type:
+    """Give a frozen slots dataclass an `__init__` that stores each field through its slot
+    descriptor, the same values the generated one stores through `object.__setattr__` (which
+    looks each name up again): half the cost of making a Task, Edge or Instr, of which a large
+    plan makes millions.  Same signature and defaults; the instances stay frozen (`__setattr__`
+    still raises FrozenInstanceError)."""
+    env: dict[str, Any] = {"__builtins__": {}}
+    params, body = [], []
+    for f in fields(cls):
+        if not f.init or f.default_factory is not MISSING:
+            raise TypeError(f"_quick_init: {cls.__name__}.{f.name} needs the generated __init__")
+        env[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        if f.default is MISSING:
+            params.append(f.name)
+        else:
+            env[f"_def_{f.name}"] = f.default
+            params.append(f"{f.name}=_def_{f.name}")
+        body.append(f"    _set_{f.name}(self, {f.name})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body) + "\n", env)
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init
+    return cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +143,7 @@ class Site:
     `y = block(...)`)."""
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Task:
     """One kernel launch (or one host action) in issue order.
@@ -167,16 +195,58 @@ class Task:
         return default
 
 
-_TASK_FIELDS = ()  # set below, once Task exists
+_INIT_FIELDS: dict[type, tuple[dict[str, int], Any]] = {}  # class -> (init field -> index, getter of them all)
 
 
-def evolve(task: Task, **changes: Any) -> Task:
-    """`dataclasses.replace(task, **changes)` without its per-call introspection: the passes copy
-    every task of a large schedule at least once (unroll's renumbering, barriers' replays)."""
-    return Task(*[changes[n] if n in changes else getattr(task, n) for n in _TASK_FIELDS])
+def evolve(obj: Any, **changes: Any) -> Any:
+    """`dataclasses.replace(obj, **changes)` without its per-call introspection: the passes copy
+    every task of a large schedule at least once (the front end's templates and sites, unroll,
+    fusion).  A frozen record without `__slots__` and without `__post_init__` (Site,
+    TaskTemplate) is copied by its `__dict__` (what `replace` would rebuild field by field); any
+    other (Task) is made again through its `__init__`.  Raises TypeError, as `replace` does, for a
+    name that is not an init field."""
+    cls = type(obj)
+    known = _INIT_FIELDS.get(cls)
+    if known is None:
+        names = tuple(f.name for f in fields(cls) if f.init)
+        known = _INIT_FIELDS[cls] = ({n: i for i, n in enumerate(names)}, attrgetter(*names))
+        if not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__") and len(names) == len(fields(cls)):
+            _DICT_COPY.add(cls)
+    index, getter = known
+    if cls in _DICT_COPY:
+        for n in changes:
+            if n not in index:
+                raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+        new = object.__new__(cls)
+        d = new.__dict__
+        d.update(obj.__dict__)
+        d.update(changes)
+        return new
+    vals = list(getter(obj)) if len(index) > 1 else [getter(obj)]
+    for n, x in changes.items():
+        i = index.get(n)
+        if i is None:
+            raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+        vals[i] = x
+    return cls(*vals)
 
 
-_TASK_FIELDS = tuple(f.name for f in fields(Task))
+_DICT_COPY: set[type] = set()
+
+_BEFORE_AFTER = attrgetter("kernel", "stream", "args", "outs", "attrs")
+_PAST_AFTER = attrgetter("unit", "op", "rep_stream", "step", "slot", "key", "label", "stmt", "span", "launch", "site")
+
+
+if tuple(f.name for f in fields(Task)) != ("id", "kernel", "stream", "args", "outs", "attrs", "after", "unit", "op",
+                                           "rep_stream", "step", "slot", "key", "label", "stmt", "span", "launch",
+                                           "site"):
+    raise ImportError("ir.renumbered lists Task's fields in order: update it with Task")
+
+
+def renumbered(task: Task, id: int, after: tuple[int, ...]) -> Task:  # noqa: A002 (the field's name)
+    """`evolve(task, id=id, after=after)`, the copy every renumbering pass makes of each task
+    (fusion), made without evolve's per-call bookkeeping."""
+    return Task(id, *_BEFORE_AFTER(task), after, *_PAST_AFTER(task))
 
 
 @dataclass(frozen=True)
@@ -221,6 +291,7 @@ class Schedule:
         return {b.name: b for b in self.buffers}
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Edge:
     """A required ordering u -> v between tasks (u issued before v)."""
@@ -231,6 +302,7 @@ class Edge:
     buffer: str = ""
 
 
+@_quick_init
 @dataclass(frozen=True, slots=True)
 class Instr:
     """One instruction of the EventPlan, issued on `stream`.

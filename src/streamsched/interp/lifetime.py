@@ -64,6 +64,7 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
     KERNELS = kernels if kernels is not None else KERNELS  # noqa: N806
 
     segs = storage_segments(schedule)
+    segs_get = segs.get
     bufs = schedule.buffer_map()
     tasks = schedule.tasks
     owner: dict[int, tuple[str, int]] = {}  # segment -> (buffer whose value it holds, writer task; -1: initial)
@@ -71,6 +72,7 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
         if b.alias_of is None:
             for s in segs.get(b.name, ()):
                 owner[s] = (b.name, -1)
+    owner_get = owner.get
     produced: set[str] = {n for n in initialized if n in bufs}  # values that exist (written or initial)
     writer: dict[str, int] = {}  # buffer -> its latest writer
     seen: set[tuple] = set()
@@ -178,15 +180,18 @@ def check_lifetimes(schedule: Schedule, initialized: set[str] = frozenset(), aft
         if prev_step is not None and t.step != prev_step and prev_step >= 0:
             loop_reads(after_step, "the training loop (it reads `{value}` after every step)")
         prev_step = t.step
-        for a in t.reads:
+        for a in t.args:  # (a name read twice reports once: `report` merges the same reader)
             if a in produced:
-                by = destroyed(a)
-                if by is not None:
-                    report(a, by, t)
+                for sg in segs_get(a, ()):  # (destroyed, inline: every task reads)
+                    by = owner_get(sg)
+                    if by is not None and by[0] != a:
+                        report(a, by, t)
+                        break
         self_overlap(t)
-        for o in t.writes:
-            for s in segs.get(o, ()):
-                owner[s] = (o, t.id)
+        for o in t.outs:
+            mark = (o, t.id)
+            for s in segs_get(o, ()):
+                owner[s] = mark
             produced.add(o)
             writer[o] = t.id
     if prev_step is not None and prev_step >= 0:

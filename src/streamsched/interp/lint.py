@@ -23,7 +23,7 @@ def _roots(schedule: Schedule) -> dict[str, str]:
 
 def _base(name: str) -> str:
     """`x[a]` and `x[b]` are one buffer to a user."""
-    return name.split("[")[0]
+    return name.partition("[")[0]
 
 
 def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]) -> list[Diagnostic]:
@@ -104,16 +104,35 @@ def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
     - an f16 parameter updated in f16 by such an optimizer, without f32 master weights (warning).
     Source: Micikevicius et al., "Mixed Precision Training" (2018); torch.amp.GradScaler.
     """
+    amp = set(_AMP_OPTIMIZERS) | {"update_scale"}
+    if not any(t.kernel in amp for t in schedule.tasks):
+        # No loss scaling in the schedule: only the plain optimizers' findings can arise, and
+        # they need none of the data flow tracked below.
+        return _plain_precision(schedule, loss_scale)
     bufs = schedule.buffer_map()
     written_by: dict[str, set[str]] = {}
     for t in schedule.tasks:
         for o in t.outs:
-            written_by.setdefault(_base(o), set()).add(t.kernel)
+            b = _base(o)
+            w = written_by.get(b)
+            if w is None:
+                written_by[b] = {t.kernel}
+            else:
+                w.add(t.kernel)
     out: list[Diagnostic] = []
     last_writer: dict[str, str] = {}  # buffer -> kernel of its latest writer, in issue order
     seed_read: dict[str, int] = {}  # scale -> index of the latest backward seed read
     last_write: dict[str, int] = {}
     for idx, t in enumerate(schedule.tasks):
+        kernel = t.kernel
+        if kernel not in amp and kernel not in _PLAIN_OPTIMIZERS:
+            if kernel == "softmax_xent_grad" and t.args:
+                seed_read[_base(t.args[0])] = idx
+            for o in t.outs:
+                b = _base(o)
+                last_writer[b] = kernel
+                last_write[b] = idx
+            continue  # (most tasks: nothing of theirs is checked here)
         op = _op_name(t)
         if t.kernel == "softmax_xent_grad" and t.args:
             seed_read[_base(t.args[0])] = idx
@@ -141,20 +160,39 @@ def lint_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
                 out.append(Diagnostic("S024", f"`{op}` unscales by `{scale}` after `update_scale` changed it in this "
                                       "step", t.span, help="update the scale after the optimizer, as GradScaler.update"))
         elif t.kernel in _PLAIN_OPTIMIZERS:
-            if loss_scale:
-                out.append(Diagnostic("S024", f"`{op}` reads gradients multiplied by the loss scale `{loss_scale}` "
-                                      "and does not unscale them", t.span,
-                                      help="use `sgd_amp` or `lars_amp`, which unscale and skip overflowing steps"))
-            else:
-                w = bufs.get(t.args[0])
-                if w is not None and w.dtype in ("f16", "bf16"):
-                    out.append(Diagnostic(
-                        "S024", f"`{op}` updates {w.dtype} parameters in {w.dtype}: updates smaller than their "
-                        "rounding step are lost, and small gradients underflow", t.span, severity="warning",
-                        help="use `sgd_amp` or `lars_amp` (f32 master weights) with `backward MODEL * loss_scale`"))
+            out.extend(_plain_finding(t, loss_scale, bufs))
         for o in t.outs:
             last_writer[_base(o)] = t.kernel
             last_write[_base(o)] = idx
+    return out
+
+
+def _plain_finding(t: Task, loss_scale: str, bufs) -> list[Diagnostic]:
+    """S024 for an optimizer that does not unscale: fed a scaled backward (error), or updating
+    f16 parameters in f16 (warning)."""
+    op = _op_name(t)
+    if loss_scale:
+        return [Diagnostic("S024", f"`{op}` reads gradients multiplied by the loss scale `{loss_scale}` "
+                           "and does not unscale them", t.span,
+                           help="use `sgd_amp` or `lars_amp`, which unscale and skip overflowing steps")]
+    w = bufs.get(t.args[0])
+    if w is not None and w.dtype in ("f16", "bf16"):
+        return [Diagnostic(
+            "S024", f"`{op}` updates {w.dtype} parameters in {w.dtype}: updates smaller than their "
+            "rounding step are lost, and small gradients underflow", t.span, severity="warning",
+            help="use `sgd_amp` or `lars_amp` (f32 master weights) with `backward MODEL * loss_scale`")]
+    return []
+
+
+def _plain_precision(schedule: Schedule, loss_scale: str) -> list[Diagnostic]:
+    """lint_precision of a schedule without loss-scaling kernels: the plain optimizers' findings."""
+    plain = [t for t in schedule.tasks if t.kernel in _PLAIN_OPTIMIZERS]
+    if not plain:
+        return []
+    bufs = schedule.buffer_map()
+    out: list[Diagnostic] = []
+    for t in plain:
+        out.extend(_plain_finding(t, loss_scale, bufs))
     return out
 
 

@@ -9,12 +9,11 @@ its target's offset, so the two views really share storage.  The array module is
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy
 
-from streamsched.interp.ir import DTYPE_BYTES, Buffer
+from streamsched.interp.ir import DTYPE_BYTES, Buffer, evolve
 
 __all__ = ["ARRAY_DTYPES", "ArenaOutOfMemory", "arena_sizes", "plan_memory", "allocate_arena", "allocate_arrays"]
 
@@ -111,7 +110,7 @@ def plan_memory(buffers: Sequence[Buffer], align: int = 256) -> tuple[Buffer, ..
         off = _align_up(cursor.get(b.space, 0), align)
         n = _nbytes(b)
         cursor[b.space] = off + n
-        placed[b.name] = dataclasses.replace(b, offset=off, nbytes=n)
+        placed[b.name] = evolve(b, offset=off, nbytes=n)
 
     def place_alias(b: Buffer, chain: tuple[str, ...]) -> Buffer:
         if b.name in placed:
@@ -135,13 +134,16 @@ def plan_memory(buffers: Sequence[Buffer], align: int = 256) -> tuple[Buffer, ..
                 f"buffer `{b.name}` ({n} bytes) is larger than `{target.name}` "
                 f"({target.nbytes} bytes), which it aliases"
             )
-        out = dataclasses.replace(b, offset=target.offset, nbytes=n)
+        out = evolve(b, offset=target.offset, nbytes=n)
         placed[b.name] = out
         return out
 
-    for b in buffers:
-        if b.alias_of is not None:
-            place_alias(b, ())
+    try:
+        for b in buffers:
+            if b.alias_of is not None:
+                place_alias(b, ())
+    finally:
+        place_alias = None  # it calls itself through its closure: a cycle the collector would have to free
     return tuple(placed[b.name] for b in buffers)
 
 

@@ -9,7 +9,7 @@ loop-carried edges appear") and LANGUAGE.md ("the interpreter adds a prologue").
 from __future__ import annotations
 
 from streamsched.dsl.program import SLOT, Launch, Program
-from streamsched.interp.ir import HOST, Schedule, Task, Unit, evolve
+from streamsched.interp.ir import HOST, Schedule, Task, Unit
 from streamsched.interp.memory import plan_memory
 
 
@@ -33,7 +33,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     steps = steps if steps is not None else default_steps(program)
     slots = program.slots or ("",)
     period = len(slots)
-    tasks: list[Task] = []
+    tasks: list[tuple] = []  # rows of Task fields (_ID...), made Tasks in _host_first
     units: list[Unit] = []
     op_ids: dict[tuple, int] = {}
     # launch instances: (step, launch index) -> task ids
@@ -48,6 +48,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
     # order, synchronize): kept aside and merged once, in _host_first, instead of rebuilding
     # the frozen task at each addition.
     more_after: dict[int, set[int]] = {}
+    launch_after: dict[int, tuple[int, ...]] = {}  # the same, for edges a whole launch gets (shared tuples)
     per_slot: dict[tuple, list[tuple]] = {}  # (launch, slot, tag, ahead) -> per template (see emit)
 
     def slot_for(k: int, which: str) -> str:
@@ -95,8 +96,8 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                 key = (k, li, t.op)
                 if key not in op_ids:
                     op_ids[key] = len(op_ids)
-                tasks.append(Task(
-                    len(tasks), t.kernel, t.stream, args, outs, attrs, tuple(base + a for a in t.after),
+                tasks.append((
+                    len(tasks), t.kernel, t.stream, args, outs, attrs, tuple(base + a for a in t.after) if t.after else (),
                     -1 if t.stream == HOST else unit, op_ids[key], t.rep_stream, k, slot, tkey, label, stmt,
                     t.span, li, t.site))
                 ids.append(len(tasks) - 1)
@@ -106,12 +107,12 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             op_ids[key] = len(op_ids)
             unit = unit_for(k, f"upload {launch.name}", "upload", launch.stream, "", launch.span) \
                 if capture == "step" else -1
-            tasks.append(Task(len(tasks), "set_scalar", HOST, (), (hb,), (("name", launch.name),), (), -1,
-                              op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"upload.{launch.name}: set {launch.name}",
-                              f"set.{launch.name}", launch.span, launch=li))
-            tasks.append(Task(len(tasks), "h2d", launch.stream, (hb,), (launch.name,), (), (), unit,
-                              op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload.{launch.name}: upload {launch.name}",
-                              f"upload.{launch.name}", launch.span, launch=li))
+            tasks.append((len(tasks), "set_scalar", HOST, (), (hb,), (("name", launch.name),), (), -1,
+                          op_ids[key], HOST, k, slot, f"{tag}|{li}|set", f"upload.{launch.name}: set {launch.name}",
+                          f"set.{launch.name}", launch.span, li, None))
+            tasks.append((len(tasks), "h2d", launch.stream, (hb,), (launch.name,), (), (), unit,
+                          op_ids[key], launch.stream, k, slot, f"{tag}|{li}|up", f"upload.{launch.name}: upload {launch.name}",
+                          f"upload.{launch.name}", launch.span, li, None))
             ids.extend([len(tasks) - 2, len(tasks) - 1])
         elif launch.kind == "sync":
             # The host waits for everything issued so far: ordered after each stream's last task.
@@ -119,14 +120,14 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             # nothing then, and validate_schedule reports it.
             last: dict[str, int] = {}
             for t in tasks:
-                last[t.stream] = t.id
+                last[t[_STREAM]] = t[_ID]
             key = (k, li, "sync")
             op_ids[key] = len(op_ids)
             after = tuple(sorted(last.values())) if capture != "step" else ()
             attrs = (("in_step_graph", True),) if capture == "step" else ()
-            tasks.append(Task(len(tasks), "synchronize", HOST, (), (), attrs, after, -1,
-                              op_ids[key], HOST, k, slot, f"{tag}|{li}|sync", "synchronize", "synchronize",
-                              launch.span, launch=li))
+            tasks.append((len(tasks), "synchronize", HOST, (), (), attrs, after, -1,
+                          op_ids[key], HOST, k, slot, f"{tag}|{li}|sync", "synchronize", "synchronize",
+                          launch.span, li, None))
             ids.append(len(tasks) - 1)
             if capture != "step":
                 last_sync[:] = [len(tasks) - 1]
@@ -148,7 +149,7 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                 continue
             sinks: dict[str, int] = {}
             for tid in src:
-                sinks[tasks[tid].stream] = tid
+                sinks[tasks[tid][_STREAM]] = tid
             extra.extend(sinks.values())
         # A binding (`pass(load[slot])`) orders the launch after that slot's latest load.
         if launch.kind == "graph":
@@ -157,25 +158,28 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                     if g_name == bg and g_slot == slot:
                         sinks = {}
                         for tid in g_ids:
-                            if tasks[tid].stream != HOST:
-                                sinks[tasks[tid].stream] = tid
+                            if tasks[tid][_STREAM] != HOST:
+                                sinks[tasks[tid][_STREAM]] = tid
                         extra.extend(sinks.values())
                         break
         # The interpreter's own host work: a staging buffer is copied after the host wrote it,
         # and rewritten only after the copy that last read it (LANGUAGE.md, "The host").
         for tid in ids:
             t = tasks[tid]
+            t_args, t_outs = t[_ARGS], t[_OUTS]
+            if host_space.isdisjoint(t_args) and host_space.isdisjoint(t_outs):
+                continue  # (device work: no staging buffer)
             own: set[int] = set()
-            for a in t.args:
+            for a in t_args:
                 if a in host_space and a in last_host_write:
                     own.add(last_host_write[a])
-            for o in t.outs:
+            for o in t_outs:
                 if o in host_space and o in last_host_read:
                     own.add(last_host_read[o])
-            for a in t.args:
+            for a in t_args:
                 if a in host_space:
                     last_host_read[a] = tid
-            for o in t.outs:
+            for o in t_outs:
                 if o in host_space:
                     last_host_write[o] = tid
             if own:
@@ -184,15 +188,16 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             # The host returns from a `synchronize` only once all earlier work is done, and issues
             # everything after it only then (cudaDeviceSynchronize): later work follows it.
             for tid in ids:
-                more_after.setdefault(tid, set()).update(last_sync)
+                launch_after[tid] = tuple(last_sync)
         if launch.kind == "graph":
             instances.append((launch.graph, slot, ids))
         if extra:
             # The launch's device work follows; its host staging is ordered by its own hazards
             # alone (the copy that last read the slot, above), since the step issues it first.
+            shared = tuple(extra)  # (one tuple for all the launch's tasks, merged in _host_first)
             for tid in ids:
-                if tasks[tid].stream != HOST:
-                    more_after.setdefault(tid, set()).update(extra)
+                if tasks[tid][_STREAM] != HOST:
+                    launch_after[tid] = launch_after[tid] + shared if tid in launch_after else shared
         issued[(k, li)] = ids
 
     # Prologue: the launches made on `next`, for step 0's slot.
@@ -204,35 +209,55 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
             slot = slot_for(k, l.slot) if l.kind == "graph" and l.slot else (slots[k % period] if l.kind != "graph" else "")
             ahead = 1 if l.kind == "graph" and l.slot == "next" else 0
             emit(k, li, l, slot, ahead)
-    tasks = _host_first(tasks, capture, more_after)
+    tasks = _host_first(tasks, capture, more_after, launch_after)
     streams = tuple(n for n, _ in program.streams) + (HOST,)
     return Schedule(streams, plan_memory(program.buffers), tuple(tasks), tuple(units), period, steps, capture, policy,
                     launches=tuple(program.step))
 
 
-def _host_first(tasks: list[Task], capture: str, more_after: dict[int, set[int]]) -> list[Task]:
+_ID, _STREAM, _ARGS, _OUTS, _ATTRS, _AFTER, _STEP, _LAUNCH = 0, 2, 3, 4, 5, 6, 10, 16
+"""Indexes of a row of `unroll`'s task table: a Task's fields in order (made a Task once, in
+_host_first, when its final id and `after` are known)."""
+
+
+def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]],
+                launch_after: dict[int, tuple[int, ...]] | None = None) -> list[Task]:
     """Issue each launch's host work (staging writes) before its device work, so a capture
     unit's tasks stay contiguous: the host fills the pinned slot, then launches the graph.
     Under capture = step the group is the whole step; otherwise one launch (one unit).
-    more_after: per task id, the `after` edges unroll added to it (merged here, once)."""
-    step_only = capture == "step"
-    order = sorted(range(len(tasks)), key=lambda i: ((tasks[i].step,) if step_only else (tasks[i].step, tasks[i].launch),
-                                                     tasks[i].stream != HOST, i))
-    new_id = {old: new for new, old in enumerate(order)}
+    tasks: rows of Task fields in order (`_ID`...); more_after: per task id, the `after` edges
+    unroll added to it (merged here, once); launch_after: the same, for edges a whole launch gets."""
+    if capture == "step":
+        order = sorted(range(len(tasks)), key=lambda i: (tasks[i][_STEP], tasks[i][_STREAM] != HOST, i))
+    else:
+        order = sorted(range(len(tasks)), key=lambda i: (tasks[i][_STEP], tasks[i][_LAUNCH], tasks[i][_STREAM] != HOST, i))
+    new_id = [0] * len(tasks)
+    for new, old in enumerate(order):
+        new_id[old] = new
     out = []
-    for old in order:
+    for nid, old in enumerate(order):
         t = tasks[old]
         more = more_after.get(old)
-        after = tuple(sorted(new_id[a] for a in (set(t.after) | more if more else t.after)))
-        attrs = t.attrs
-        if t.stream == HOST and after and after[-1] > new_id[old]:
+        whole = launch_after.get(old) if launch_after else None
+        t_after = t[_AFTER]
+        if more or whole:
+            merged = set(t_after)
+            if more:
+                merged |= more
+            if whole:
+                merged.update(whole)
+            after = tuple(sorted(new_id[a] for a in merged))
+        else:
+            after = tuple(sorted(new_id[a] for a in t_after)) if t_after else ()
+        attrs = t[_ATTRS]
+        if t[_STREAM] == HOST and after and after[-1] > nid:
             # Only under capture = step can host work move above device work it must follow: a
             # staging buffer written twice in one step, whose second write waits for the copy of
             # the first, which is now inside the step's graph.  That wait cannot be captured (the
             # host cannot wait inside a graph): validate_schedule reports C003 from this mark.
             # It is no `after` the user wrote, so it must never surface as an R002 cycle.
-            waits_for = tuple(a for a in after if a > new_id[old])
-            after = tuple(a for a in after if a < new_id[old])
+            waits_for = tuple(a for a in after if a > nid)
+            after = tuple(a for a in after if a < nid)
             attrs = attrs + (("waits_in_step_graph", waits_for),)
-        out.append(evolve(t, id=new_id[old], after=after, attrs=attrs))
+        out.append(Task(nid, *t[1:_ATTRS], attrs, after, *t[_AFTER + 1:]))
     return out

@@ -129,14 +129,30 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
         if ins.op == "record":
             first_record.setdefault(ins.event, i)
 
-    clock: dict[Lane, dict[Lane, int]] = {}
-    pos: dict[Lane, int] = defaultdict(int)
-    records: dict[int, tuple[int, int, dict[Lane, int]]] = {}  # event -> (index, unit, clock)
-    # Accesses per segment and lane, in lane order: [positions, task ids] of all accesses, then
-    # of the writes only (a write races with any access, a read with writes).  A task's names
-    # and access kinds are read back from `acc` only for a race.
-    segs: dict[int, dict[Lane, tuple[list[int], list[int], list[int], list[int]]]] = {}
-    unit_touched: dict[int, list[tuple[int, Lane]]] = defaultdict(list)  # (segment, lane) entries made
+    # Lanes are numbered as first met (`lanes[id]` is the (stream, unit) pair): clocks, positions
+    # and the per-segment tables are keyed by the number, which hashes and compares for free.
+    lane_ids: dict[Lane, int] = {}
+    lanes: list[Lane] = []
+    pos: list[int] = []  # by lane id: the lane's position (launches and ends so far)
+    clock: dict[int, dict[int, int]] = {}  # lane id -> its vector clock (lane id -> position)
+
+    def lane_id(lane: Lane) -> int:
+        x = lane_ids.get(lane)
+        if x is None:
+            x = lane_ids[lane] = len(lanes)
+            lanes.append(lane)
+            pos.append(0)
+        return x
+
+    records: dict[int, tuple[int, int, dict[int, int]]] = {}  # event -> (index, unit, clock)
+    # Accesses per segment and lane: [task ids of all accesses in lane order, position of the
+    # last access, position of the last write (0: none)].  A write races with any access, a read
+    # with writes; the lane's accesses are covered when its last one (or last write) is.  A
+    # task's position is loc_pos[task] (positions ascend along the list); its names and access
+    # kinds are read back from `acc` only for a race.
+    n_segs = 1 + max((a[-1][0] for a in acc if a), default=-1)  # (a task's accesses are sorted by segment)
+    segs: list[dict[int, list] | None] = [None] * n_segs  # by segment id: lane id -> entry
+    unit_touched: dict[int, list[tuple[int, int]]] = defaultdict(list)  # (segment, lane id) entries made
     unit_tasks: dict[int, list[int]] = defaultdict(list)
     races: dict[tuple[int, int], Race] = {}
     unordered_after: list[tuple[int, int]] = []
@@ -153,83 +169,92 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
         afters = [t.after for t in tasks]
     n_tasks = len(afters)
     cap = capture != "none"
-    # task -> the lane and position that cover it now (lists by id: a dict of pairs costs ten
-    # times the memory on large plans); lane None: not launched yet
-    loc_lane: list[Lane | None] = [None] * n_tasks
+    # task -> the lane (id) and position that cover it now (lists by task id: a dict of pairs
+    # costs ten times the memory on large plans); lane -1: not launched yet
+    loc_lane: list[int] = [-1] * n_tasks
     loc_pos: list[int] = [0] * n_tasks
+    pos_of = loc_pos.__getitem__
+    clock_get = clock.get
     for i, ins in enumerate(plan.instrs):
-        if ins.op == "launch":
+        op = ins.op
+        if op == "launch":
             v = ins.task
-            if not 0 <= v < n_tasks or loc_lane[v] is not None:
+            if not 0 <= v < n_tasks or loc_lane[v] >= 0:
                 raise InternalError(f"insert_barriers: task {v} is launched twice or does not exist (instruction {i})")
-            lane = (ins.stream, ins.unit) if cap and ins.unit >= 0 else (ins.stream, -1)  # lane_of
-            c = clock.get(lane)
+            unit = ins.unit if cap and ins.unit >= 0 else -1  # lane_of
+            lane = lane_ids.get((ins.stream, unit))
+            if lane is None:
+                lane = lane_id((ins.stream, unit))
+            c = clock_get(lane)
             if c is None:
                 c = clock[lane] = {}
             p = pos[lane] = pos[lane] + 1
             c[lane] = p
+            cget = c.get
             for u in afters[v]:
-                lu, pu = (loc_lane[u], loc_pos[u]) if 0 <= u < n_tasks else (None, 0)
-                if lu is None or (lu != lane and c.get(lu, 0) < pu):
+                lu = loc_lane[u] if 0 <= u < n_tasks else -1
+                if lu < 0 or (lu != lane and cget(lu, 0) < loc_pos[u]):
                     unordered_after.append((u, v))
             loc_lane[v] = lane
             loc_pos[v] = p
             raced = False
             check = v >= races_from
-            in_unit = lane[1] >= 0
-            touched = unit_touched[lane[1]] if in_unit else None
+            in_unit = unit >= 0
+            touched = unit_touched[unit] if in_unit else None
             for seg, rname, wname in acc[v]:
-                by_lane = segs.get(seg)
+                by_lane = segs[seg]
                 if by_lane is None:
-                    segs[seg] = {lane: ([p], [v], [p], [v]) if wname else ([p], [v], [], [])}
+                    segs[seg] = {lane: [[v], p, p if wname else 0]}
                     if in_unit:
                         touched.append((seg, lane))
                     continue
+                mine = None
                 if check:
-                    k = 0 if wname else 2
+                    k = 1 if wname else 2
                     for other, e in by_lane.items():
-                        ps = e[k]
-                        if not ps or other == lane:
-                            continue  # nothing it conflicts with, or program order
-                        seen = c.get(other, 0)
-                        if ps[-1] <= seen:
-                            continue  # the lane's accesses are in its order: all covered
-                        vw, vname = bool(wname), wname or rname
-                        for u in e[k + 1][bisect_right(ps, seen):]:
-                            if (u, v) not in races:
-                                uw, uname = access_of(u, seg)
-                                races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
-                                raced = True
-                e = by_lane.get(lane)
-                if e is None:
-                    by_lane[lane] = ([p], [v], [p], [v]) if wname else ([p], [v], [], [])
+                        if other == lane:
+                            mine = e  # program order
+                        elif e[k] > cget(other, 0):
+                            # not all covered: each access (write, for a read) after what v's lane has seen
+                            seen = cget(other, 0)
+                            vw, vname = bool(wname), wname or rname
+                            ts = e[0]
+                            for u in ts[bisect_right(ts, seen, key=pos_of):]:
+                                if (u, v) not in races:
+                                    uw, uname = access_of(u, seg)
+                                    if uw or wname:
+                                        races[(u, v)] = Race(u, v, report_name(uname, vname, roots), uw, vw)
+                                        raced = True
+                else:
+                    mine = by_lane.get(lane)
+                if mine is None:
+                    by_lane[lane] = [[v], p, p if wname else 0]
                     if in_unit:
                         touched.append((seg, lane))
                 else:
-                    e[0].append(p)
-                    e[1].append(v)
+                    mine[0].append(v)
+                    mine[1] = p
                     if wname:
-                        e[2].append(p)
-                        e[3].append(v)
+                        mine[2] = p
             if in_unit:
-                unit_tasks[lane[1]].append(v)
+                unit_tasks[unit].append(v)
             if first_race and races:
                 stopped = True
                 break
             if stop_from is not None and v >= stop_from and raced:
                 stopped = True
                 break
-        elif ins.op == "record":
-            lane = lane_of(capture, ins.stream, ins.unit)
-            records[ins.event] = (i, lane[1], dict(clock.get(lane, {})))
-        elif ins.op == "wait":
-            lane = lane_of(capture, ins.stream, ins.unit)
+        elif op == "record":
+            lane = lane_id(lane_of(capture, ins.stream, ins.unit))
+            records[ins.event] = (i, lanes[lane][1], dict(clock.get(lane, {})))
+        elif op == "wait":
+            lane = lane_id(lane_of(capture, ins.stream, ins.unit))
             bound = records.get(ins.event)
             if bound is None:
                 later = first_record.get(ins.event)
                 waits.append(WaitProblem(i, "never" if later is None else "later", -1 if later is None else later))
                 continue
-            if capture != "none" and bound[1] != lane[1]:
+            if cap and bound[1] != lanes[lane][1]:
                 # CUDA refuses a capture-time wait on an event from outside the capture
                 # (cudaErrorStreamCaptureIsolation): it orders nothing.
                 waits.append(WaitProblem(i, "isolation", bound[0]))
@@ -238,19 +263,20 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
             for k, val in bound[2].items():
                 if val > c.get(k, 0):
                     c[k] = val
-        elif ins.op == "begin" and capture != "none":
-            clock[(ins.stream, ins.unit)] = dict(clock.get((ins.stream, -1), {}))
-        elif ins.op == "end" and capture != "none":
-            u_id, home = ins.unit, (ins.stream, ins.unit)
+        elif op == "begin" and cap:
+            clock[lane_id((ins.stream, ins.unit))] = dict(clock.get(lane_id((ins.stream, -1)), {}))
+        elif op == "end" and cap:
+            u_id = ins.unit
+            home = lane_id((ins.stream, ins.unit))
             hc = clock.get(home, {})
             members = unit_tasks.pop(u_id, ())
-            last: dict[Lane, tuple[int, int]] = {}  # lane of the unit -> (position, task) of its last launch
+            last: dict[int, tuple[int, int]] = {}  # lane of the unit -> (position, task) of its last launch
             for t in members:
                 last[loc_lane[t]] = (loc_pos[t], t)
-            for lane, (p, t) in sorted(last.items()):
+            for lane, (p, t) in sorted(last.items(), key=lambda x: lanes[x[0]]):
                 if lane != home and hc.get(lane, 0) < p:
-                    unjoined.append(Unjoined(u_id, lane[0], t))
-            eager = (ins.stream, -1)
+                    unjoined.append(Unjoined(u_id, lanes[lane][0], t))
+            eager = lane_id((ins.stream, -1))
             pos[eager] += 1
             e_pos = clock.setdefault(eager, {})[eager] = pos[eager]
             # After `end`, the unit's work is known outside only as a whole, through the end.
@@ -259,17 +285,22 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 moved = by_lane.pop(lane)
                 e = by_lane.get(eager)
                 if e is None:
-                    e = by_lane[eager] = ([], [], [], [])
-                for j in (0, 2):
-                    e[j].extend([e_pos] * len(moved[j + 1]))
-                    e[j + 1].extend(moved[j + 1])
+                    moved[1] = e_pos
+                    if moved[2]:
+                        moved[2] = e_pos
+                    by_lane[eager] = moved
+                else:
+                    e[0].extend(moved[0])
+                    e[1] = e_pos
+                    if moved[2]:
+                        e[2] = e_pos
             for t in members:
                 loc_lane[t] = eager
                 loc_pos[t] = e_pos
             for lane in last:
                 clock.pop(lane, None)
             clock.pop(home, None)
-    missing = [t for t in range(n_tasks) if loc_lane[t] is None]
+    missing = [t for t in range(n_tasks) if loc_lane[t] < 0]
     if missing and not stopped:
         raise InternalError(f"insert_barriers: tasks {missing[:5]} are never launched")
     return PlanAnalysis(
