@@ -27,6 +27,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.sched")))
 
 
+@pytest.fixture(autouse=True)
+def _backward_epilogues_on(monkeypatch):
+    """The backward GEMM epilogues are off by default (interp/fuse.backward_epilogues): these
+    tests prove the rule with them on."""
+    monkeypatch.setenv("STREAMSCHED_BWD_EPILOGUES", "1")
+
+
 def _recount(schedule) -> int:
     """Tasks the rule folds away, counted independently: adjacent tasks of one fusible kernel,
     stream, unit, step, launch and attributes (fill's shape and dtype aside), sharing the shared
