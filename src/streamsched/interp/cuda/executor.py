@@ -153,7 +153,6 @@ class CudaExecutor:
         self._join = {s: ev for s, ev in zip(self.ctx.names, self.ctx.make_events(len(self.ctx.names)))}
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
         self.sync_warmup = os.environ.get("STREAMSCHED_SYNC_WARMUP", "1") != "0"
-        self._host_waited = {i.event for i in plan.instrs if i.op == "wait" and i.stream == HOST}
         # event -> the units (-1: none) whose waits bind to it; events only the host records
         self._waited_outside: dict[int, set[int]] = {}
         for i in plan.instrs:
@@ -576,15 +575,6 @@ class CudaExecutor:
             gc_was = gc.isenabled()
             gc.disable()  # pitfall 26: no collection of graphs/arrays in the middle of a capture
             current: Task | None = None
-            # An event the host waits on (the copy that last read a staging slot) is recorded by
-            # the graph itself, where the copy ends (cudaEventRecordExternal), not after the whole
-            # graph: the host stages the next batch while the step's compute still runs (issue 13).
-            # Not with device-resident data (no host waits) nor in a raw capture (a conditional
-            # node's body holds no event nodes).
-            waited_inside = {i.event for i in issue if i.op == "wait"}
-            external = (self._host_waited & recorded) - waited_inside if self.resident is None and not raw else set()
-            if os.environ.get("STREAMSCHED_EXTERNAL_RECORDS", "1") == "0":
-                external = set()
             from streamsched.interp.cuda.device import check, cudart
 
             rt = cudart()
@@ -615,13 +605,7 @@ class CudaExecutor:
                                 self.accumulator.launch(ctx.streams[b.task.stream])
                             current = None
                         elif ins.op == "record":
-                            if ins.event in external:  # the host waits on it: a node of the graph
-                                check(rt.cudaEventRecordWithFlags(self.events[ins.event].ptr,
-                                                                  int(ctx.streams[ins.stream].ptr),
-                                                                  rt.cudaEventRecordExternal),
-                                      "cudaEventRecordWithFlags")
-                            else:
-                                self.events[ins.event].record(ctx.streams[ins.stream])
+                            self.events[ins.event].record(ctx.streams[ins.stream])
                         else:
                             ctx.streams[ins.stream].wait_event(self.events[ins.event])
                     for s in secondary:  # join every forked stream (pitfall 12)
@@ -651,7 +635,7 @@ class CudaExecutor:
         # Re-recorded after the launch: only the events some wait outside this unit binds to (an
         # eager or host wait, or another unit's hoisted pre-wait); the unit's own fork and join
         # events are edges of its graph, and recording them again would cost the host a call each.
-        post = {e for e in recorded - external if self._waited_outside.get(e, set()) - {uid}}
+        post = {e for e in recorded if self._waited_outside.get(e, set()) - {uid}}
         return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(post)),
                             tuple(tasks), task_nodes=task_nodes, node_task=node_task)
 
