@@ -103,3 +103,18 @@ def test_seed_step_runs_its_epochs_in_one_launch(cp):
     res, notes = _train("seed_step", epochs=2, data_on="device")
     assert res.epoch_launches >= 1, notes
     assert res.history[-1]["test_acc"] > 0.5
+
+
+def test_an_epoch_graph_built_during_the_run_runs_the_right_slots(cp, monkeypatch):
+    """With evaluation in NumPy the loop launches variants of the epoch graph it did not build
+    before the run (built at their first launch): they take the same slot for each loop step,
+    so the run is bitwise the steps one by one.  (Planted: the loop once overwrote the graph's
+    slot base after building, and such a variant ran the other slot's step.)"""
+    monkeypatch.setenv("STREAMSCHED_EVAL", "host")
+    one, notes = _train(epochs=4, data_on="device", epoch_launch="auto")
+    steps, _ = _train(epochs=4, data_on="device", epoch_launch="step")
+    assert one.eval_on == "host" and one.epoch_launches == 3, notes
+    for n in one.params:
+        assert np.array_equal(one.params[n], steps.params[n]), n
+    for a, b in zip(one.history, steps.history):
+        assert a["test_loss"] == b["test_loss"]

@@ -125,8 +125,8 @@ class EpochEnd:
     """One issued epoch end: `ready()` without waiting (an event query), `result()` waits for
     it (a blocking event: the host sleeps, it does not spin) and returns EpochEndResult."""
 
-    def __init__(self, owner: "EpochEnds", slot: int, evaluate: bool, snapshot: bool, timed: bool):
-        self.owner, self.slot, self.evaluate, self.snapshot, self.timed = owner, slot, evaluate, snapshot, timed
+    def __init__(self, owner: "EpochEnds", slot: int, evaluate: bool, snapshot: bool):
+        self.owner, self.slot, self.evaluate, self.snapshot = owner, slot, evaluate, snapshot
         self._result: EpochEndResult | None = None
 
     def ready(self) -> bool:
@@ -183,7 +183,6 @@ class EpochEnds:
         if resident is not None and resident.halves == 2:  # (else every order is on the device)
             n = resident.spe * resident.batch
             self.order_host = [self._pinned(4 * n).view(np.int32) for _ in range(2)]
-            self.order_half = [0, 1]  # the permutation half each slot's upload fills (set_order)
         self.evaluator = None
         self.count = 0
         cp.cuda.Device().synchronize()  # zeroed on CuPy's current stream, read on non-blocking ones
@@ -206,25 +205,25 @@ class EpochEnds:
                 self.snap_host[s][n] = self._pinned(a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
         cp.cuda.Device().synchronize()
 
-    def set_order(self, slot: int, order: np.ndarray | None) -> None:
-        """The sample order end slot `slot` uploads (None: the pinned buffer keeps what it had).
+    def set_order(self, order: np.ndarray | None) -> None:
+        """The sample order the next end (slot `count % 2`) uploads (None: the pinned buffer keeps
+        what it had).
         End i (from 0, slot i % 2) uploads epoch i + 2's order into permutation half i % 2, the
         half epoch i read: finished once end i runs, read again by epoch i + 2 (and by the
         prefetch of epoch i + 1's last step).  An end with no later epoch uploads a stale order
         into a half nothing reads again.  The host writes the pinned buffer now: the end that
         reads it has not been issued, and the end that last read it (i - 2) was collected (the
         loop's lag is at most one epoch)."""
+        slot = self.count % 2
         if self.order_host is None:
             return
         if order is not None:
             n = self.order_host[slot].size
             self.order_host[slot][:] = np.asarray(order[:n], dtype=np.int32)
-        self.order_half[slot] = slot
 
     # -- issuing ----------------------------------------------------------------------------
 
-    def issue_device(self, stream, slot: int, evaluate: bool, snapshot: bool, capturing: bool = False,
-                     timed: bool = True) -> None:
+    def issue_device(self, stream, slot: int, evaluate: bool, snapshot: bool, capturing: bool = False) -> None:
         """The end's device work on `stream` (module docstring), ordered by that stream alone:
         the caller has joined the epoch's streams to it (or captures it after the epoch's
         steps, on their stream).  capturing: inside a capture (the evaluator is re-captured,
@@ -244,11 +243,9 @@ class EpochEnds:
                 fn((blocks,), (256,), (a, np.int64(n), mask, rep[6:7]))
         if evaluate and self.evaluator is not None:
             t0, t1 = self.eval_marks[slot]
-            if timed:
-                _record(t0, stream, capturing)
+            _record(t0, stream, capturing)
             self.evaluator.issue(stream, capturing=capturing)
-            if timed:
-                _record(t1, stream, capturing)
+            _record(t1, stream, capturing)
             rt.memcpyAsync(rep_ptr + 4 * 8, int(self.evaluator.out.data.ptr), 16, _D2D, ptr)
         for n, a in self.extra.items():
             rt.memcpyAsync(int(self.extra_dev[n].data.ptr), int(a.data.ptr), a.nbytes, _D2D, ptr)
@@ -256,8 +253,8 @@ class EpochEnds:
             for n in self.saved:
                 a = self.ex.arrays[n]
                 rt.memcpyAsync(int(self.snap_dev[n].data.ptr), int(a.data.ptr), a.nbytes, _D2D, ptr)
-        if self.order_host is not None and self.order_half[slot] is not None:
-            half = self.resident.perm[self.order_half[slot]]
+        if self.order_host is not None:  # end i fills permutation half i % 2 (set_order)
+            half = self.resident.perm[slot]
             rt.memcpyAsync(int(half.data.ptr), int(self.order_host[slot].ctypes.data), half.nbytes, _H2D, ptr)
 
     def issue_host_copies(self, stream, slot: int, snapshot: bool) -> None:
@@ -290,7 +287,7 @@ class EpochEnds:
             st.wait_event(self.done)
         self.issue_host_copies(es, slot, snapshot)
         self.ready[slot].record(es)
-        return EpochEnd(self, slot, evaluate, snapshot, timed=True)
+        return EpochEnd(self, slot, evaluate, snapshot)
 
     def _collect(self, end: EpochEnd) -> EpochEndResult:
         self.ready[end.slot].synchronize()
@@ -303,12 +300,11 @@ class EpochEnds:
         if end.evaluate and self.evaluator is not None:
             tot = self.evaluator.total
             ev = (float(r[4]) / tot, float(r[5]) / tot)
-            if end.timed:
-                t0, t1 = self.eval_marks[end.slot]
-                try:
-                    eval_s = self.cp.cuda.get_elapsed_time(t0, t1) / 1e3
-                except Exception:  # events recorded by a graph that could not time them
-                    eval_s = 0.0
+            t0, t1 = self.eval_marks[end.slot]
+            try:
+                eval_s = self.cp.cuda.get_elapsed_time(t0, t1) / 1e3
+            except Exception:  # events recorded by a graph that could not time them
+                eval_s = 0.0
         params = None
         if end.snapshot:
             params = {n: np.array(a) for n, a in self.snap_host[end.slot].items()}
@@ -399,9 +395,10 @@ def _handle_value(h) -> int:
 class EpochGraph:
     """The steady steps of a plan, looped on the device (module docstring), for one executor.
 
-    ex: the CudaExecutor (capture = step, device-resident data); prog_units: for each slot s of
-    the period (loop steps first + s, first + P + s, ...), the CapturedUnit of that step; first:
-    the first loop step the graph may run (>= the plan's unrolled steps minus the period);
+    ex: the CudaExecutor (capture = step, device-resident data); units: for each slot s of the
+    period (loop steps first + s, first + P + s, ...), the CapturedUnit of that step; first: the
+    loop step of slot 0 (the plan's unrolled steps minus the period), which the graph's kernels
+    are captured with; `start` (set by the caller): the loop step of the first launch;
     ends: the last loop step (exclusive) of each launch, in launch order; home: the stream the
     step units were launched on.  Raises NotImplementedError (why) where conditional nodes are
     unavailable or a capture fails."""
@@ -413,6 +410,7 @@ class EpochGraph:
         cp = self.cp = cupy_module()
         self.rt = cudart()
         self.ex, self.units, self.first, self.period = ex, units, int(first), len(units)
+        self.start = int(first)  # the loop step of the first launch (the caller sets it)
         self.home_name = home
         self.home = ex.ctx.streams[home]
         self.boundary = boundary
@@ -491,7 +489,7 @@ class EpochGraph:
                 finally:
                     check(rt.cudaStreamEndCapture(sptr), "cudaStreamEndCapture (the WHILE body)")
                 with cp.cuda.using_allocator(self.ex._pool.malloc):
-                    b.issue_device(cap, slot, evaluate, snapshot, capturing=True, timed=True)
+                    b.issue_device(cap, slot, evaluate, snapshot, capturing=True)
                     b.issue_host_copies(cap, slot, snapshot)
             except BaseException:
                 try:
@@ -511,7 +509,8 @@ class EpochGraph:
         """Build the executable graphs of `variants` ((slot, evaluate, snapshot), ...) now, before
         the run's first step, so no instantiation falls inside the measured loop.  A SWITCH the
         driver refuses falls back to IF nodes."""
-        for v in variants:
+        for slot, evaluate, snapshot in variants:
+            v = (slot, self._evaluates(evaluate), snapshot)
             if v not in self.execs:
                 try:
                     self.execs[v] = self._build(*v)
@@ -522,12 +521,18 @@ class EpochGraph:
                     self.execs.clear()
                     self.execs[v] = self._build(*v)
 
+    def _evaluates(self, evaluate: bool) -> bool:
+        """Whether an end asked to evaluate does so on the device (it has an evaluator): the
+        variant's key, the same at `prepare` and `launch`."""
+        return bool(evaluate) and self.boundary.evaluator is not None
+
     def launch(self, evaluate: bool, snapshot: bool, pre_waits=()) -> EpochEnd:
         """One epoch: the next launch's steps and its end, one graph launch on the step units'
         home stream; the end's event recorded after it."""
         b = self.boundary
         slot = b.count % 2
         b.count += 1
+        evaluate = self._evaluates(evaluate)
         key = (slot, evaluate, snapshot)
         if key not in self.execs:
             self.execs[key] = self._build(*key)
@@ -541,7 +546,7 @@ class EpochGraph:
             cap.wait_event(b.done)
         b.ready[slot].record(home)
         self.launches += 1
-        return EpochEnd(b, slot, evaluate, snapshot, timed=True)
+        return EpochEnd(b, slot, evaluate, snapshot)
 
     def close(self) -> None:
         rt = self.rt

@@ -72,15 +72,15 @@ class CudaRunner:
         the loop reads later.  order: the sample order a resident run uploads at this end (the
         epoch two ends later, `EpochEnds.set_order`), or None."""
         b = self.ends
-        b.set_order(b.count % 2, order)
+        b.set_order(order)
         values, self._values = self._values, []
         end = self._wrap(b.end, evaluate and b.evaluator is not None, snapshot)
         end.values = values
         return end
 
-    def epoch_graph(self, segs, first: int, ends: list[int]):
+    def epoch_graph(self, segs, start: int, ends: list[int]):
         """Build the epoch in one launch (cuda/epoch.EpochGraph) for launches ending at `ends`
-        (loop steps, exclusive), the graph running loop steps from `first` on; raises
+        (loop steps, exclusive), the first launch starting at loop step `start`; raises
         NotImplementedError (why) where it cannot."""
         from streamsched.interp.cuda.epoch import EpochGraph, steady_units
 
@@ -91,9 +91,9 @@ class CudaRunner:
             raise NotImplementedError("the loss is not summed on the device")
         period = segs.period or 1
         units, home = steady_units(self.ex, segs, segs.steps - period, period)
-        start = first
         # slot s of the graph is loop step (segs.steps - period) + s modulo the period
         g = EpochGraph(self.ex, units, segs.steps - period, ends, home, self.ends)
+        g.start = start
         g.loop.set(np.array([start, 0], dtype=np.int32))
         self.ex.cp.cuda.Device().synchronize()
         self.graph = g
@@ -102,8 +102,8 @@ class CudaRunner:
     def run_epoch(self, evaluate: bool, snapshot: bool, order=None):
         """One launch of the epoch graph (its steps and its end): an `epoch.EpochEnd`."""
         b = self.ends
-        b.set_order(b.count % 2, order)
-        end = self._wrap(self.graph.launch, evaluate and b.evaluator is not None, snapshot)
+        b.set_order(order)
+        end = self._wrap(self.graph.launch, evaluate, snapshot)
         end.values = []
         return end
 

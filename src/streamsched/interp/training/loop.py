@@ -335,7 +335,7 @@ class Run:
             whole = n == spe
             evaluate, snapshot = self.wants_eval(e, whole), self.wants_params(e, whole)
             order = self.order_after(e)
-            if graph is not None and whole and first >= graph.first:
+            if graph is not None and whole and first >= graph.start:
                 c_issue = time.thread_time()
                 end = runner.run_epoch(evaluate, snapshot, order)
                 self.result.loop_cpu_s["launch"] += time.thread_time() - c_issue
@@ -421,7 +421,6 @@ class Run:
         except Exception as exc:  # a refused capture or instantiation: the steps one by one
             self.echo(f"note: the epoch runs step by step: the epoch graph failed ({type(exc).__name__}: {exc})")
             return None
-        g.first = ends[0] - spe
         return g
 
     def finish(self) -> None:
