@@ -28,12 +28,20 @@ def _train(name="mlp_digits", **kw):
     return res, notes
 
 
-def test_the_epoch_graph_computes_bitwise_what_the_steps_one_by_one_compute(cp):
-    one, notes = _train(epochs=4, data_on="device", epoch_launch="auto")
+@pytest.mark.parametrize("unroll", ["1", "0"])
+@pytest.mark.parametrize("how, launches", [("auto", 1), ("epoch", 3), ("2", 2)])
+def test_the_epoch_graph_computes_bitwise_what_the_steps_one_by_one_compute(cp, monkeypatch, how, launches, unroll):
+    """Epochs 2-4 (the first runs unrolled steps) in one launch (auto: several epochs, each
+    one's end inside the loop), one launch each (epoch), or launches of at most two; a launch of
+    several epochs with each epoch unrolled (unroll 1) or a loop over its steps (0)."""
+    monkeypatch.setenv("STREAMSCHED_EPOCH_UNROLL", unroll)
+    one, notes = _train(epochs=4, data_on="device", epoch_launch=how)
     steps, _ = _train(epochs=4, data_on="device", epoch_launch="step")
     assert one.data_on == steps.data_on == "device"
-    assert one.epoch_launches == 3, notes  # the first epoch runs unrolled steps; the others in one launch
+    assert one.epoch_launches == launches, notes
     assert steps.epoch_launches == 0
+    assert one.eval_s > 0  # the evaluation timed on the device, inside the launch
+    assert [r["epoch"] for r in one.history] == [1, 2, 3, 4]
     for a, b in zip(one.history, steps.history):
         assert a["train_loss"] == b["train_loss"] and a["test_acc"] == b["test_acc"]
     assert one.params.keys() == steps.params.keys()
@@ -44,13 +52,16 @@ def test_the_epoch_graph_computes_bitwise_what_the_steps_one_by_one_compute(cp):
 def test_the_epoch_graph_matches_the_host_staged_run(cp):
     dev, _ = _train(epochs=3, data_on="device")
     host, _ = _train(epochs=3, data_on="host")
-    assert dev.epoch_launches == 2 and host.epoch_launches == 0
+    assert dev.epoch_launches == 1 and host.epoch_launches == 0
     for a, b in zip(dev.history, host.history):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["test_acc"] == pytest.approx(b["test_acc"], abs=1e-9)
 
 
-def test_a_non_finite_loss_inside_the_epoch_graph_is_found_at_its_step(cp):
+@pytest.mark.parametrize("how", ["auto", "epoch", "step"])
+def test_a_non_finite_loss_inside_the_epoch_graph_is_found_at_its_step(cp, how):
+    """X010 names the step the CPU names, whether the divergence is read from a launch of
+    several epochs (whose loop then stops on the device), of one, or from the steps."""
     with pytest.raises(StreamschedError) as cpu_err:
         from streamsched.interp.train import TrainOptions, train
         from streamsched.pipeline import compile_file
@@ -59,11 +70,37 @@ def test_a_non_finite_loss_inside_the_epoch_graph_is_found_at_its_step(cp):
         train(c, TrainOptions(backend="cpu", progress=False, epochs=3, lr=1e6), base_dir=EXAMPLES,
               echo=lambda s: None)
     with pytest.raises(StreamschedError) as gpu_err:
-        _train(epochs=3, lr=1e6, data_on="device")
+        _train(epochs=3, lr=1e6, data_on="device", epoch_launch=how)
     (a,), (b,) = cpu_err.value.diagnostics, gpu_err.value.diagnostics
     assert a.code == b.code == "X010"
     step_of = lambda d: d.message.split(" at step ")[1].split(" ")[0]  # noqa: E731
     assert step_of(a) == step_of(b)
+
+
+@pytest.mark.parametrize("how, unroll", [("auto", "1"), ("auto", "0"), ("epoch", "1"), ("step", "1")])
+def test_a_nan_in_a_later_epoch_of_a_launch_stops_at_the_cpus_step(cp, tmp_path, monkeypatch, how, unroll):
+    """A learning rate that jumps a million-fold at step 40 makes the loss NaN inside epoch 4,
+    in the middle of a launch of several epochs: X010 names the step the CPU names (the ring
+    end reports it, the device loop stops after that epoch)."""
+    import re
+
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    src = open(os.path.join(EXAMPLES, "mlp_digits.sched")).read()
+    path = tmp_path / "mlp_nan.sched"
+    path.write_text(re.sub(r"lr\s*=\s*cosine\(0\.1, warmup = 50\)", "lr = step(0.1, every = 40, gamma = 1e6)", src))
+    monkeypatch.setenv("STREAMSCHED_EPOCH_UNROLL", unroll)
+    c = compile_file(str(path))
+    msgs = []
+    for backend, kw in (("cpu", {}), ("cuda", {"data_on": "device", "epoch_launch": how})):
+        with pytest.raises(StreamschedError) as err:
+            train(c, TrainOptions(backend=backend, progress=False, epochs=8, **kw), base_dir=EXAMPLES,
+                  echo=lambda s: None)
+        (d,) = err.value.diagnostics
+        assert d.code == "X010"
+        msgs.append(d.message.split(";")[0])
+    assert msgs[0] == msgs[1] == "the loss became nan at step 43 (epoch 4/8)"
 
 
 @pytest.mark.parametrize("data_on", ["host", "device"])

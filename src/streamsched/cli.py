@@ -452,6 +452,16 @@ def build_parser() -> "argparse.ArgumentParser":
     return p
 
 
+def _epoch_launch(text: str) -> str:
+    """`--epoch-launch`: auto, epoch, step, or a whole number of epochs per launch (1 or more)."""
+    t = text.strip().lower()
+    if t in ("auto", "epoch", "step"):
+        return t
+    if t.isdigit() and int(t) >= 1:
+        return str(int(t))
+    raise argparse.ArgumentTypeError(f"`{text}` is not auto, epoch, step or a number of epochs (1 or more)")
+
+
 def _size(text: str) -> int:
     from streamsched.reads import parse_size
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from streamsched.diagnostics import Diagnostic, StreamschedError
@@ -80,7 +81,7 @@ class Schedule:
     def __call__(self, t: int) -> float:
         if t < 0:
             raise ValueError(f"learning-rate schedule asked for step {t}")
-        p = dict(self.params)
+        p = self._p
         v = float(p["v"])
         if self.name == "constant":
             return v
@@ -98,9 +99,14 @@ class Schedule:
             return lo + (v - lo) * (1.0 + math.cos(math.pi * progress)) / 2.0
         return v * (1.0 - progress)  # linear
 
+    @cached_property
+    def _p(self) -> dict[str, Any]:
+        """params as a dict, built once (the schedule is asked once per step)."""
+        return dict(self.params)
+
     def _progress(self, t: int) -> float:
         """The decay's progress p at step t >= warmup: the plan's own, or its continuation."""
-        w = int(dict(self.params)["warmup"])
+        w = int(self._p["warmup"])
         if self.resume is None or t < self.resume[0]:
             total = self.total_steps if self.resume is None else self.resume[2]
             return min(1.0, max(0.0, (t - w) / max(1, total - w)))

@@ -9,6 +9,8 @@ return error codes instead of raising (pitfall 23).
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Sequence
 
 WORKSPACE_BYTES = 32 << 20
@@ -68,6 +70,55 @@ def check(result: Any, what: str = "CUDA call") -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
+_H2D_SOURCE = r"""
+// dst[0..n) = src[0..n) bytes, src in page-locked host memory read over the bus (16-byte words
+// where both are aligned), a grid-stride loop
+extern "C" __global__ void ss_h2d(const unsigned char* src, unsigned char* dst, long long n) {
+    long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long step = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
+        long long n16 = n >> 4;
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (long long i = tid; i < n16; i += step) d[i] = s[i];
+        done = n16 << 4;
+    }
+    for (long long i = done + tid; i < n; i += step) dst[i] = src[i];
+}
+"""
+H2D_KERNEL_MAX = 1 << 20
+"""Host-to-device copies up to this many bytes run as a zero-copy kernel (`DeviceContext.h2d`)."""
+
+
+def _h2d_kernel_max() -> int:
+    v = os.environ.get("STREAMSCHED_H2D_KERNEL_MAX")
+    try:
+        return H2D_KERNEL_MAX if v is None else max(0, int(v))
+    except ValueError:
+        return H2D_KERNEL_MAX
+
+
+def mapped_pinned(nbytes: int):
+    """(view, device_ptr, owner): a zeroed NumPy uint8 array of `nbytes` in page-locked host
+    memory mapped into the device's address space (cudaHostAlloc with cudaHostAllocMapped |
+    cudaHostAllocPortable), the pointer a kernel writes it through (cudaHostGetDevicePointer;
+    the host pointer itself under unified addressing), and the allocation to keep alive as long
+    as any kernel or graph may write it.  Source: CUDA Programming Guide, "Mapped Memory"."""
+    import ctypes
+
+    import numpy as np
+
+    cp = cupy_module()
+    n = max(int(nbytes), 8)
+    mem = cp.cuda.PinnedMemory(n, 0x02 | 0x01)  # cudaHostAllocMapped | cudaHostAllocPortable
+    ptr = int(mem.ptr)
+    view = np.frombuffer((ctypes.c_uint8 * n).from_address(ptr), dtype=np.uint8)
+    view[:] = 0
+    dev = check(cudart().cudaHostGetDevicePointer(ptr, 0), "cudaHostGetDevicePointer")
+    return view, int(dev), mem
+
+
 class DeviceContext:
     """Streams, cuBLAS handles, workspaces and helpers for one GPU.
 
@@ -98,6 +149,7 @@ class DeviceContext:
         self.lt_workspaces: dict[str, Any] = {}
         self._tf32 = tf32
         self._closed = False
+        self._h2d_fn = None
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -279,7 +331,28 @@ class DeviceContext:
         check(rt.cudaMemcpyAsync(_ptr(dst), _ptr(src), n_dst, kind, self.stream_ptr(stream)),
               "cudaMemcpyAsync")
 
-    h2d = memcpy
+    def h2d(self, stream: Any, dst, src) -> None:
+        """Copy the pinned host array src to the device array dst on `stream`.  Up to
+        H2D_KERNEL_MAX bytes (environment STREAMSCHED_H2D_KERNEL_MAX; 0: never) a kernel reads
+        the page-locked source directly (zero-copy: under unified addressing every cudaHostAlloc
+        buffer is device-accessible at its host address, CUDA Programming Guide, "Unified
+        Virtual Address Space"), so a captured step holds a kernel node, not a host memcpy
+        node, whose launches cost the host more; larger copies stay on the copy engine
+        (`memcpy`).  Either reads the host buffer when it runs, not at launch."""
+        n = int(dst.nbytes)
+        if _is_device(src) or not _is_device(dst) or n != int(src.nbytes) or n == 0 or n > _h2d_kernel_max() \
+                or not src.flags.c_contiguous or not dst.flags.c_contiguous or not _page_locked(_ptr(src)):
+            self.memcpy(stream, dst, src)
+            return
+        import numpy as np
+
+        fn = self._h2d_fn
+        if fn is None:
+            fn = self._h2d_fn = self.cp.RawKernel(_H2D_SOURCE, "ss_h2d")
+        blocks = max(1, min(64, (n // 16 + 255) // 256))
+        with self.stream(stream):
+            fn((blocks,), (256,), (np.uint64(_ptr(src)), dst, np.int64(n)))
+
     d2h = memcpy
 
     # -- teardown -----------------------------------------------------------------------------
@@ -319,6 +392,18 @@ class DeviceContext:
 
 def _is_device(x) -> bool:
     return isinstance(x, cupy_module().ndarray)
+
+
+def _page_locked(ptr: int) -> bool:
+    """Whether host address `ptr` is in page-locked memory CUDA knows (cudaHostAlloc or
+    registered: device-accessible); pageable memory is not.  Asked each time (an eager launch or
+    a capture, never a graph replay): an address freed and reused may change kind."""
+    rt = cudart()
+    try:
+        attrs = check(rt.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+        return int(attrs.type) == int(rt.cudaMemoryType.cudaMemoryTypeHost)
+    except Exception:
+        return False
 
 
 def _ptr(x) -> int:

@@ -30,7 +30,8 @@ from streamsched.interp.ir import HOST, Buffer, EventPlan, Instr, Schedule, Task
 from streamsched.interp.cuda.device import (DeviceContext, captured_dot, cupy_module,
                                             graph_nodes_edges)
 
-__all__ = ["CudaExecutor", "CudaTaskError", "Program", "graph_nodes_edges", "captured_dot"]
+__all__ = ["CudaExecutor", "CudaTaskError", "Program", "events_bound_outside", "graph_nodes_edges",
+           "captured_dot"]
 
 HostFn = Callable[[Task, Mapping[str, Any]], None]
 
@@ -93,9 +94,27 @@ class Program:
 
     ops: list
     n_instrs: int
+    allocates: bool = True
+    """Whether an op may allocate temporaries (an eager launch): run() then issues under the
+    executor's memory pool."""
 
 
 _DTYPE_CACHE: dict[str, Any] = {}
+
+
+def events_bound_outside(instrs: Sequence[Instr]) -> set[int]:
+    """The events some wait binds to a record made in another unit, or outside every unit (unit
+    -1): a wait binds to the latest record of its event before it in the plan (ARCHITECTURE.md,
+    "events"), so a record and a wait inside the same unit are an edge of that unit's graph, and
+    only these events are recorded again after a graph launch."""
+    last_rec: dict[int, int] = {}
+    out: set[int] = set()
+    for i in instrs:
+        if i.op == "record":
+            last_rec[i.event] = i.unit
+        elif i.op == "wait" and i.event in last_rec and last_rec[i.event] != i.unit:
+            out.add(i.event)
+    return out
 
 
 class CudaExecutor:
@@ -154,10 +173,7 @@ class CudaExecutor:
         self._bound = [self._bind(t, self.arrays) for t in schedule.tasks]
         self.sync_warmup = os.environ.get("STREAMSCHED_SYNC_WARMUP", "1") != "0"
         # event -> the units (-1: none) whose waits bind to it; events only the host records
-        self._waited_outside: dict[int, set[int]] = {}
-        for i in plan.instrs:
-            if i.op == "wait":
-                self._waited_outside.setdefault(i.event, set()).add(i.unit)
+        self._bound_outside = events_bound_outside(plan.instrs)
         self._host_only = ({i.event for i in plan.instrs if i.op == "record" and i.stream == HOST}
                            - {i.event for i in plan.instrs if i.op == "record" and i.stream != HOST})
         self.accumulator = None
@@ -346,7 +362,7 @@ class CudaExecutor:
                 elif ins.event not in self._host_only:  # (host work is done when issued: nothing to wait for)
                     ops.append(("wait", streams[ins.stream], events[ins.event]))
             i += 1
-        return Program(ops, len(instrs))
+        return Program(ops, len(instrs), any(op[0] in ("launch", "accumulate") for op in ops))
 
     def run(self, instrs: Sequence[Instr] | Program | None = None,
             host_fn: HostFn | None = None) -> None:
@@ -370,9 +386,24 @@ class CudaExecutor:
                     prog = self._programs[key] = self.compile(instrs)
                 if isinstance(instrs, tuple):
                     self._by_tuple[id(instrs)] = (instrs, prog)
-        cp = self.cp
         host_arrays = self.host_arrays
-        with cp.cuda.using_allocator(self._pool.malloc):
+        if not prog.allocates:  # graph launches, host work, records and waits: no temporaries
+            for kind, a, b in prog.ops:
+                if kind == "graph":
+                    self._launch_graph(a, b)
+                elif kind == "host":
+                    if host_fn is None:
+                        raise CudaTaskError("host task reached but run() got no host_fn",
+                                            task=a.task, phase="eager")
+                    host_fn(a.task, host_arrays)
+                elif kind == "sync":
+                    a.synchronize()
+                elif kind == "record":
+                    a.record(b)
+                else:  # "wait"
+                    a.wait_event(b)
+            return
+        with self.cp.cuda.using_allocator(self._pool.malloc):
             for kind, a, b in prog.ops:
                 if kind == "launch":
                     self._launch(a, "eager")
@@ -635,7 +666,7 @@ class CudaExecutor:
         # Re-recorded after the launch: only the events some wait outside this unit binds to (an
         # eager or host wait, or another unit's hoisted pre-wait); the unit's own fork and join
         # events are edges of its graph, and recording them again would cost the host a call each.
-        post = {e for e in recorded if self._waited_outside.get(e, set()) - {uid}}
+        post = {e for e in recorded if e in self._bound_outside}
         return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(post)),
                             tuple(tasks), task_nodes=task_nodes, node_task=node_task)
 

@@ -72,16 +72,40 @@ class CudaRunner:
         the loop reads later.  order: the sample order a resident run uploads at this end (the
         epoch two ends later, `EpochEnds.set_order`), or None."""
         b = self.ends
-        b.set_order(order)
         values, self._values = self._values, []
-        end = self._wrap(b.end, evaluate and b.evaluator is not None, snapshot)
+        if b.uses_ring(snapshot):  # one captured end, its report published to the ring
+            end = self._wrap(b.ring_end, evaluate and b.evaluator is not None)
+        else:
+            b.set_order(order)
+            end = self._wrap(b.end, evaluate and b.evaluator is not None, snapshot)
         end.values = values
         return end
 
-    def epoch_graph(self, segs, start: int, ends: list[int]):
+    def prepare_ends(self, evaluates) -> list[str]:
+        """Capture the ring ends the run will issue (each `evaluate` flag of `evaluates`) now,
+        before the first step, so none is captured inside the loop.  Where a capture fails, the
+        ends are issued eagerly, as before ring ends (`EpochEnds.end`): the notes saying so."""
+        b = self.ends
+        if b is None or not b.ring_ok:
+            return []
+        try:
+            for ev in dict.fromkeys(bool(e) and b.evaluator is not None for e in evaluates):
+                b.ring_graph(ev)
+        except Exception as exc:
+            b.ring_ok = False
+            self.ex.cp.cuda.Device().synchronize()
+            return [f"the epoch ends are issued eagerly: capturing one failed ({type(exc).__name__}: {exc})"]
+        return []
+
+    def ring_ends(self, snapshot: bool) -> bool:
+        """Whether an end (with a snapshot or not) is a ring end, which a launch of several
+        epochs needs (`run_epochs`)."""
+        return self.ends is not None and self.ends.uses_ring(snapshot)
+
+    def epoch_graph(self, segs, start: int, ends: list[int], spe: int = 1):
         """Build the epoch in one launch (cuda/epoch.EpochGraph) for launches ending at `ends`
-        (loop steps, exclusive), the first launch starting at loop step `start`; raises
-        NotImplementedError (why) where it cannot."""
+        (loop steps, exclusive), the first launch starting at loop step `start`, epochs of `spe`
+        steps; raises NotImplementedError (why) where it cannot."""
         from streamsched.interp.cuda.epoch import EpochGraph, steady_units
 
         if self.ex.capture != "step" or self.resident is None:
@@ -93,7 +117,7 @@ class CudaRunner:
         units, home = steady_units(self.ex, segs, segs.steps - period, period)
         # slot s of the graph is loop step (segs.steps - period) + s modulo the period
         g = EpochGraph(self.ex, units, segs.steps - period, ends, home, self.ends)
-        g.start = start
+        g.start, g.spe = start, max(1, int(spe))
         g.loop.set(np.array([start, 0], dtype=np.int32))
         self.ex.cp.cuda.Device().synchronize()
         self.graph = g
@@ -101,11 +125,23 @@ class CudaRunner:
 
     def run_epoch(self, evaluate: bool, snapshot: bool, order=None):
         """One launch of the epoch graph (its steps and its end): an `epoch.EpochEnd`."""
+        return self.run_epochs(1, evaluate, snapshot, order)[0]
+
+    def run_epochs(self, n: int, evaluate: bool, snapshot: bool, order=None) -> list:
+        """One launch of the epoch graph: n epochs (their steps and ends, ring ends, one per
+        epoch), or one epoch with its end after the loop where its end cannot be a ring end
+        (a snapshot, an order to upload, extra scalars); a list of ends, in epoch order."""
         b = self.ends
-        b.set_order(order)
-        end = self._wrap(self.graph.launch, evaluate, snapshot)
-        end.values = []
-        return end
+        if b.uses_ring(snapshot):
+            ends = self._wrap(self.graph.launch_epochs, n, evaluate)
+        else:
+            if n != 1:
+                raise ValueError("a launch of several epochs needs ring ends")
+            b.set_order(order)
+            ends = [self._wrap(self.graph.launch, evaluate, snapshot)]
+        for end in ends:
+            end.values = []
+        return ends
 
     def device_evaluator(self, program, x: np.ndarray, y: np.ndarray):
         """The test split (x, y) evaluated on the GPU (`cuda.evaluate.DeviceEvaluator`: the eval

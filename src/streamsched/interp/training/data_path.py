@@ -93,6 +93,19 @@ class DataPath:
             xb, yb = shard(xb, yb, self.rank if rank is None else rank, self.world)
         np.copyto(out, xb if task.attr("field") == self.feat else yb, casting="unsafe")
 
+    def stager(self, task: Task, out: np.ndarray):
+        """`stage` for one task and its slot, as a call (at, rank) with the task's attributes
+        read once."""
+        ahead, feat = task.attr("ahead", 0), task.attr("field") == self.feat
+        batch_at, copyto = self.batch_at, np.copyto
+
+        def stage(at: int, rank: int | None) -> None:
+            xb, yb = batch_at(at + ahead)
+            if self.world > 1:
+                xb, yb = shard(xb, yb, self.rank if rank is None else rank, self.world)
+            copyto(out, xb if feat else yb, casting="unsafe")
+        return stage
+
     def batch_at(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """The batch of step j of this run (a prefetch past the end repeats the last batch): views
         of its epoch's samples, gathered in batch order ahead of time (`epoch_arrays`)."""

@@ -9,6 +9,7 @@ Source: LANGUAGE.md (`train`, `step`), the seed's run_train_epoch_gpu step loop.
 from __future__ import annotations
 
 import functools
+from collections import deque
 import math
 import signal
 import sys
@@ -30,7 +31,8 @@ from streamsched.interp.training.data_path import DataPath
 from streamsched.interp.training.divergence import divergence
 from streamsched.interp.training.evaluation import make_evaluator
 from streamsched.interp.training.losses import EpochLosses
-from streamsched.interp.training.options import TrainInterrupted, TrainOptions, TrainResult, _stderr_line, _x
+from streamsched.interp.training.options import (MAX_EPOCHS_PER_LAUNCH, STEPS_PER_LAUNCH, TrainInterrupted,
+                                                 TrainOptions, TrainResult, _stderr_line, _x)
 from streamsched.interp.training.run_log import RunLog
 from streamsched.interp.training.runners import make_runner
 from streamsched.interp.training.settings import (_call, _layout_json, _log_output, _run_inputs, init_params,
@@ -147,6 +149,7 @@ class Run:
         self.t0 = time.perf_counter()
         self.best: float | None = None  # the lowest train loss of the whole epochs so far (the baseline)
         self.best_acc: float | None = None  # the highest test accuracy of the whole epochs so far
+        self._host_tasks: dict[tuple, Any] = {}  # (task id, id of its arrays) -> `_host_task`
 
     # ---- setup
 
@@ -311,55 +314,66 @@ class Run:
         self.baseline()
 
     def loop(self, runner) -> None:
-        """The epochs: each one's steps issued (one by one, or as one launch of the epoch graph),
-        then its end issued without waiting (`issue_end`); an end is read (`finish`) as soon as
-        the device has got there (polled after each step), at the latest after the next epoch
-        was issued, so the device never idles at an epoch's end (a lag of at most one epoch;
-        on the CPU every end is ready at once: read before the next epoch starts)."""
+        """The epochs: each one's steps issued one by one, then its end issued without waiting
+        (`issue_end`), or several whole epochs issued as one launch of the epoch graph (steps
+        and ends, `launch_plan`); an end is read (`finish`) as soon as the device has got
+        there (polled after each step), at the latest after the next launch was issued, so the
+        device never idles at an epoch's end (a lag of at most one launch; on the CPU every
+        end is ready at once: read before the next epoch starts)."""
         opts, spe = self.opts, self.spe
         segs = self.c.segments or plan_segments(self.c.plan)
         self.cur = -1  # the step (of this run, from 0) whose host work runs
-        self.pending = None
+        self.pending: deque = deque()  # (epoch, its first step, its end, evaluated), oldest first
+        prep = getattr(runner, "prepare_ends", None)
+        if prep is not None:  # the ends (ring ends) captured before the first step
+            for line in prep([self.wants_eval(e, True) for e in range(self.start_epoch, self.epochs)] + [True]):
+                self.echo(f"note: {line}")
         graph = self.epoch_graph(runner, segs)  # before any step: its captures reset the gathers
         self.result.first_step_s = time.perf_counter() - self.t_start
         runner.run(segs.for_step(-1), functools.partial(self.host_fn, step=-1))
         steady = None
-        for e in range(self.start_epoch, self.epochs):
+        e = self.start_epoch
+        while e < self.epochs:
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break  # (before any work: `--steps 0` runs, records and saves nothing)
             self.epoch_now, self.epoch_t0 = e + 1, time.perf_counter()
-            if e == self.start_epoch + 1:  # the steady state: every epoch but the first
+            if steady is None and e > self.start_epoch:  # the steady state: every epoch but the first
                 steady = (self.epoch_t0, time.process_time(), self.steps_run, self.result.eval_s, time.thread_time())
             first = self.steps_run  # steps of this run before this epoch
             n = spe if opts.max_steps is None else min(spe, opts.max_steps - self.steps_run)
             whole = n == spe
-            evaluate, snapshot = self.wants_eval(e, whole), self.wants_params(e, whole)
-            order = self.order_after(e)
-            if graph is not None and whole and first >= graph.start:
+            launch = self.launches.get(e) if graph is not None and whole and first >= graph.start else None
+            if launch is not None:
+                count, evaluate, snapshot = launch
                 c_issue = time.thread_time()
-                end = runner.run_epoch(evaluate, snapshot, order)
+                ends = runner.run_epochs(count, evaluate, snapshot, self.order_after(e))
                 self.result.loop_cpu_s["launch"] += time.thread_time() - c_issue
-                self.steps_run += n
+                self.steps_run += count * spe
                 self.result.epoch_launches += 1
-                self.progress.update(n)
+                self.progress.update(count * spe)
+                issued = [(e + j, first + j * spe, end, evaluate) for j, end in enumerate(ends)]
             else:
+                count = 1
+                evaluate, snapshot = self.wants_eval(e, whole), self.wants_params(e, whole)
                 for i in range(n):
                     k = first + i
                     self.cur = k
                     runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
                     self.after_step(k)
-                end = self.issue_end(runner, evaluate, snapshot, order)
-            self.result.epoch_steps.append((n, time.perf_counter() - self.epoch_t0))
+                issued = [(e, first, self.issue_end(runner, evaluate, snapshot, self.order_after(e)), evaluate)]
+            dt = (time.perf_counter() - self.epoch_t0) / count
+            self.result.epoch_steps.extend([(n, dt)] * count)
             c_fin = time.thread_time()
-            if self.pending is not None:
+            while self.pending:  # the launch before this one: read now (waiting for it if need be)
                 self.finish()
-            self.pending = (e, first, end, evaluate)
-            if end.ready():
+            self.pending.extend(issued)
+            while self.pending and self.pending[0][2].ready():
                 self.finish()
             self.result.loop_cpu_s["finish"] += time.thread_time() - c_fin
+            e += count
             if opts.max_steps is not None and self.steps_run >= opts.max_steps:
                 break
-        if self.pending is not None:
+        while self.pending:
             self.finish()
         if steady is not None and self.steps_run > steady[2]:
             t0, c0, k0, ev0, th0 = steady
@@ -391,29 +405,73 @@ class Run:
             return runner.end_epoch(evaluate, snapshot, order)
         return SyncEnd(runner, self.ck.saved, self.program.loss_scale)
 
+    def epochs_per_launch(self) -> int:
+        """At most this many epochs in one launch of the epoch graph: `--epoch-launch N`, 1 for
+        `epoch`, else enough for about STEPS_PER_LAUNCH steps (never over
+        MAX_EPOCHS_PER_LAUNCH)."""
+        how = self.opts.epoch_launch
+        if how == "epoch":
+            return 1
+        if str(how).isdigit():
+            return max(1, min(int(how), MAX_EPOCHS_PER_LAUNCH))
+        return max(1, min(MAX_EPOCHS_PER_LAUNCH, -(-STEPS_PER_LAUNCH // max(self.spe, 1))))
+
+    def launch_plan(self, runner, first: int) -> list[tuple[int, int, bool, bool]]:
+        """The launches of the epoch graph: (epoch, epochs, evaluate, snapshot) for every whole
+        epoch of this run from loop step `first` (the steady state) on.  Consecutive epochs
+        share a launch when they evaluate and snapshot alike, their ends are ring ends (no
+        snapshot, no order to upload: `runner.ring_ends`), up to `epochs_per_launch`."""
+        spe, cap = self.spe, self.epochs_per_launch()
+        maxs = self.opts.max_steps
+
+        def fits(i: int) -> bool:
+            k0 = i * spe
+            return k0 >= first and (maxs is None or k0 + spe <= maxs)
+
+        def flags(i: int) -> tuple[bool, bool]:
+            e = self.start_epoch + i
+            return self.wants_eval(e, True), self.wants_params(e, True)
+
+        plan, n_local, i = [], self.epochs - self.start_epoch, 0
+        while i < n_local:
+            if not fits(i):
+                i += 1
+                continue
+            ev, snap = flags(i)
+            n = 1
+            if runner.ring_ends(snap) and self.order_after(self.start_epoch + i) is None:
+                while n < cap and i + n < n_local and fits(i + n) and flags(i + n) == (ev, snap) \
+                        and self.order_after(self.start_epoch + i + n) is None:
+                    n += 1
+            plan.append((self.start_epoch + i, n, ev, snap))
+            i += n
+        return plan
+
     def epoch_graph(self, runner, segs):
         """The epoch in one launch (`cuda.epoch.EpochGraph`) when the run can have it: the CUDA
         backend with device-resident data, capture = step, the loss summed on the device, no
-        --epoch-launch step; else None (a note says why, for a resident run)."""
+        --epoch-launch step; else None (a note says why, for a resident run).  Sets
+        `self.launches` (epoch -> (epochs, evaluate, snapshot)) from `launch_plan`."""
+        self.launches: dict[int, tuple[int, bool, bool]] = {}
         if getattr(runner, "ends", None) is None or self.resident is None or self.opts.epoch_launch == "step":
             return None
-        spe, n_local = self.spe, self.epochs - self.start_epoch
+        spe = self.spe
         first = (segs.steps - (segs.period or 1)) if segs.period else None
         if first is None:
             self.echo("note: the epoch runs step by step: the plan has no steady state")
             return None
-        ends, keys = [], []
-        for i in range(n_local):
-            k0 = i * spe
-            whole = self.opts.max_steps is None or k0 + spe <= self.opts.max_steps
-            if whole and k0 >= first:
-                e = self.start_epoch + i
-                ends.append(k0 + spe)
-                keys.append((i % 2, self.wants_eval(e, True), self.wants_params(e, True)))
-        if not ends:
+        plan = self.launch_plan(runner, first)
+        if not plan:
             return None
+        ends = [(e - self.start_epoch + n) * spe for e, n, _, _ in plan]
+        keys = []
+        for e, n, ev, snap in plan:
+            if runner.ring_ends(snap):
+                keys.append(("ring", ev))
+            else:  # (its end's slot alternates with every such end: both built)
+                keys += [(0, ev, snap), (1, ev, snap)]
         try:
-            g = runner.epoch_graph(segs, ends[0] - spe, ends)
+            g = runner.epoch_graph(segs, (plan[0][0] - self.start_epoch) * spe, ends, spe)
             g.prepare(dict.fromkeys(keys))
         except NotImplementedError as exc:
             self.echo(f"note: the epoch runs step by step: {exc}")
@@ -421,13 +479,13 @@ class Run:
         except Exception as exc:  # a refused capture or instantiation: the steps one by one
             self.echo(f"note: the epoch runs step by step: the epoch graph failed ({type(exc).__name__}: {exc})")
             return None
+        self.launches = {e: (n, ev, snap) for e, n, ev, snap in plan}
         return g
 
     def finish(self) -> None:
         """Read the pending epoch's end (waiting for it if the device is not there yet), then
         its losses (X010), its record, checkpoint and log line (`end_epoch`)."""
-        e, first, end, evaluate = self.pending
-        self.pending = None
+        e, first, end, evaluate = self.pending.popleft()
         res = end.result()
         if res.acc is not None:
             total, steps, bad, value = res.acc
@@ -461,18 +519,33 @@ class Run:
         step that issued the task (on the CPU it may run after later steps were issued); rank:
         the data-parallel rank whose shard is staged (simulated ranks; else this process's)."""
         at = self.cur if step is None else step
+        key = (task.id, id(arrays))
+        fn = self._host_tasks.get(key)
+        if fn is None:
+            fn = self._host_tasks[key] = self._host_task(task, arrays)
+        fn(at, rank)
+
+    def _host_task(self, task: Task, arrays: dict):
+        """Host task `task` writing into `arrays`, as a call (at, rank) with its attributes read
+        once: a step's host work is then a few calls (issue 13: host staging keeps pace with the
+        device)."""
         if task.kernel == "stage":
-            self.dp.stage(task, arrays[task.outs[0]], at, rank)
-        elif task.kernel == "set_scalar":
-            k = self.base_step + max(at, 0)  # absolute: the schedule and Adam's t go on across resumes
-            arrays[task.outs[0]][...] = self.lr_sched(k) if task.attr("name") == "lr" else float(k + 1)
+            return self.dp.stager(task, arrays[task.outs[0]])
+        if task.kernel == "set_scalar":
+            out, lr, base, sched = arrays[task.outs[0]], task.attr("name") == "lr", self.base_step, self.lr_sched
+
+            def set_scalar(at, rank):
+                k = base + (at if at > 0 else 0)  # absolute: the schedule and Adam's t go on across resumes
+                out[...] = sched(k) if lr else float(k + 1)
+            return set_scalar
+        return lambda at, rank: None
 
     def after_step(self, k: int) -> None:
         """Bookkeeping after issuing step k of this run (from 0): count it, move the progress
         bar.  Nothing is read from the device here: the losses are read once per epoch."""
         self.steps_run += 1
         self.progress.update(1)
-        if self.pending is not None and self.pending[2].ready():  # the epoch before: read it now
+        if self.pending and self.pending[0][2].ready():  # the epoch before: read it now
             self.finish()
 
     def check_losses(self, e: int) -> None:

@@ -52,9 +52,19 @@ class TrainOptions:
     step), `auto` (device when the plan allows and it fits cuda.resident.DEVICE_SHARE of the free
     GPU memory; the CPU backend always stages)."""
     epoch_launch: str = "auto"
-    """`--epoch-launch`: `auto` runs each whole epoch of a device-resident run as one launch of
-    the epoch graph (the captured steps inside a CUDA conditional WHILE node) where the driver
-    has conditional nodes; `step` launches the steps one by one."""
+    """`--epoch-launch`: `auto` runs the whole epochs of a device-resident run as launches of
+    the epoch graph (the captured steps inside a CUDA conditional WHILE node, each epoch's end
+    inside the loop) where the driver has conditional nodes, several epochs per launch (about
+    STEPS_PER_LAUNCH steps, at most MAX_EPOCHS_PER_LAUNCH epochs); `epoch` one epoch per launch;
+    a number N at most N epochs per launch; `step` launches the steps one by one."""
+
+
+STEPS_PER_LAUNCH = 256
+"""`--epoch-launch auto`: enough whole epochs in one launch of the epoch graph for about this many
+steps, so the host's cost per launch (the launch, reading the ends) is spread over them."""
+MAX_EPOCHS_PER_LAUNCH = 16
+"""The most epochs in one launch: the loop reads a launch's ends while the next runs, so the
+progress, the log and a divergence stop lag the device by at most two launches."""
 
 
 @dataclass
