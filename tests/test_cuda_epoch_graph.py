@@ -155,3 +155,19 @@ def test_an_epoch_graph_built_during_the_run_runs_the_right_slots(cp, monkeypatc
         assert np.array_equal(one.params[n], steps.params[n]), n
     for a, b in zip(one.history, steps.history):
         assert a["test_loss"] == b["test_loss"]
+
+
+def test_ring_and_slot_ends_mixed_in_one_run_read_in_order(cp, monkeypatch):
+    """Evaluating in NumPy every other epoch: those epochs end in slot ends (they need the
+    parameters on the host), launched one epoch each; the others end in ring ends, launched
+    together.  The records and parameters are bitwise the steps one by one, epoch by epoch."""
+    monkeypatch.setenv("STREAMSCHED_EVAL", "host")
+    one, notes = _train(epochs=7, data_on="device", epoch_launch="auto", eval_every=2)
+    steps, _ = _train(epochs=7, data_on="device", epoch_launch="step", eval_every=2)
+    assert one.epoch_launches > 1, notes
+    assert [r["epoch"] for r in one.history] == list(range(1, 8))
+    assert ["test_acc" in r for r in one.history] == [False, True, False, True, False, True, True]
+    for a, b in zip(one.history, steps.history):
+        assert a["train_loss"] == b["train_loss"] and a.get("test_loss") == b.get("test_loss")
+    for n in one.params:
+        assert np.array_equal(one.params[n], steps.params[n]), n
