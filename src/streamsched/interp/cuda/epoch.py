@@ -722,6 +722,7 @@ class EpochGraph:
         self._slot = self.mod.get_function("ss_epoch_slot")
         self._after = self.mod.get_function("ss_epoch_after")
         self.has_switch = hasattr(self.rt.cudaGraphConditionalNodeType, "cudaGraphCondTypeSwitch")
+        self.unroll_failed = False
         # a SWITCH node where the runtime has one (12.8+), else one IF node per slot
         self.switch = self.period > 1 and hasattr(self.rt.cudaGraphConditionalNodeType, "cudaGraphCondTypeSwitch")
         self.side = cp.cuda.Stream(non_blocking=True)  # the WHILE body is captured here
@@ -892,13 +893,19 @@ class EpochGraph:
         """Whether a launch of several epochs unrolls each epoch (`_build_unrolled`): SWITCH
         nodes, and at most UNROLL_STEPS step graphs in all (period x steps per epoch); the
         environment's STREAMSCHED_EPOCH_UNROLL=0 says never."""
-        return self.has_switch and self.period * self.spe <= UNROLL_STEPS and \
+        return self.has_switch and not self.unroll_failed and self.period * self.spe <= UNROLL_STEPS and \
             os.environ.get("STREAMSCHED_EPOCH_UNROLL", "1") != "0"
 
     def _make(self, v: tuple):
         if v[0] != "ring":
             return self._build(*v)
-        return self._build_unrolled(v[1]) if self.unrolls() else self._build_chunk(v[1])
+        if self.unrolls():
+            try:
+                return self._build_unrolled(v[1])
+            except Exception:  # a driver that refuses the unrolled form: the loop over the steps
+                self.unroll_failed = True
+                self.cp.cuda.Device().synchronize()
+        return self._build_chunk(v[1])
 
     def _build_unrolled(self, evaluate: bool):
         """The executable graph of a launch of several epochs, each epoch unrolled, so the
