@@ -15,7 +15,7 @@ the row, each other mode's under `<mode>_data`, e.g. `device_data`, `device_step
                     the second epoch to the read of the last epoch's end, every epoch boundary
                     included, the evaluation's device time taken out (TrainResult.steady)
   cpu_us_per_step   host CPU time (time.process_time, every thread) per step over the same span
-  epoch_launches    epochs that ran as one launch of the epoch graph (mode `device`)
+  epoch_launches    launches of the epoch graph, each of one or more whole epochs (mode `device`)
   eval_s            seconds spent evaluating, all epochs
   first_step_s      seconds from compile_file to the first step (compile, data, backend, capture)
   run_wall_s        the whole run: first step to the end (TrainResult.wall_s); train_call_s: the

@@ -133,7 +133,8 @@ def test_order_rows_hold_every_epoch_when_they_fit():
     assert order_rows(1000, 100, 1000 * (big - 1)) == big - 1
 
 
-@pytest.mark.parametrize("launch", ["auto", "step"])
+@pytest.mark.parametrize("launch", ["auto", "epoch", "step", "1", "3", "016", "99999999999999999999",
+                                    pytest.param("9" * 5000, id="5000-digits")])
 def test_the_cli_takes_epoch_launch(capsys, launch):
     from streamsched.cli import main
 
@@ -143,9 +144,25 @@ def test_the_cli_takes_epoch_launch(capsys, launch):
     assert rc == 0 and "cpu: 11 steps" in out
 
 
-def test_the_cli_refuses_an_unknown_epoch_launch(capsys):
+@pytest.mark.parametrize("launch", ["graph", "0", "000", "-3", "2.5", " 4 ", "EPOCH", "", "+3", "1e3", "\u00b2",
+                                    "\u0663"])
+def test_the_cli_refuses_an_unknown_epoch_launch(capsys, launch):
     from streamsched.cli import main
 
-    rc = main(["run", os.path.join(EXAMPLES, "mlp_digits.sched"), "--epoch-launch", "graph"])
+    rc = main(["run", os.path.join(EXAMPLES, "mlp_digits.sched"), "--epoch-launch", launch])
     err = capsys.readouterr().err
     assert rc == 1 and "error[X004]" in err and "--epoch-launch" in err
+    assert "Traceback" not in err and "_epoch_launch" not in err
+    if launch:
+        assert f"`{launch}` is not auto, epoch, step or a number of epochs (1 or more)" in err
+
+
+@pytest.mark.parametrize("launch", ["often", "0", 3, None])
+def test_train_refuses_an_unknown_epoch_launch(launch):
+    """The API checks what the CLI checks (X004 before any work)."""
+    c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"))
+    with pytest.raises(StreamschedError) as err:
+        train(c, TrainOptions(backend="cpu", progress=False, epochs=1, epoch_launch=launch), base_dir=EXAMPLES,
+              echo=lambda s: None)
+    (d,) = err.value.diagnostics
+    assert d.code == "X004" and "--epoch-launch" in d.message

@@ -425,10 +425,11 @@ def build_parser() -> "argparse.ArgumentParser":
                    help="where the training set lives on the CUDA backend: device (uploaded once, each batch "
                         "gathered on the GPU, no host work per step), host (staged every step), auto (device when "
                         "it fits a quarter of the free GPU memory)")
-    r.add_argument("--epoch-launch", choices=["auto", "step"], default="auto",
-                   help="CUDA backend with device-resident data: auto runs each whole epoch as one launch (the "
-                        "captured steps in a CUDA conditional WHILE node, CUDA 12.4+), step launches the steps one "
-                        "by one")
+    r.add_argument("--epoch-launch", type=_epoch_launch, default="auto", metavar="{auto,epoch,step,N}",
+                   help="CUDA backend with device-resident data: auto runs whole epochs as launches of the epoch "
+                        "graph (the captured steps and each epoch's end in CUDA conditional nodes, CUDA 12.4+), "
+                        "several epochs per launch (about 256 steps, at most 16 epochs); epoch one epoch per "
+                        "launch; N at most N epochs per launch (16 at most); step launches the steps one by one")
     r.add_argument("--devices", type=int, metavar="N",
                    help="data parallel over N ranks: one process per GPU on this machine (NCCL_NVLS_ENABLE=0 in "
                         "each), or N ranks simulated in this process on the CPU backend")
@@ -454,12 +455,12 @@ def build_parser() -> "argparse.ArgumentParser":
 
 def _epoch_launch(text: str) -> str:
     """`--epoch-launch`: auto, epoch, step, or a whole number of epochs per launch (1 or more)."""
-    t = text.strip().lower()
-    if t in ("auto", "epoch", "step"):
-        return t
-    if t.isdigit() and int(t) >= 1:
-        return str(int(t))
-    raise argparse.ArgumentTypeError(f"`{text}` is not auto, epoch, step or a number of epochs (1 or more)")
+    from streamsched.interp.training.settings import epoch_launch_error
+
+    why = epoch_launch_error(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text.lstrip("0") if text.isdigit() else text
 
 
 def _size(text: str) -> int:

@@ -412,8 +412,8 @@ class Run:
         how = self.opts.epoch_launch
         if how == "epoch":
             return 1
-        if str(how).isdigit():
-            return max(1, min(int(how), MAX_EPOCHS_PER_LAUNCH))
+        if str(how).isdigit():  # (checked: ASCII digits, at least 1; a long one is past the cap)
+            return max(1, min(int(how) if len(how) <= 6 else MAX_EPOCHS_PER_LAUNCH, MAX_EPOCHS_PER_LAUNCH))
         return max(1, min(MAX_EPOCHS_PER_LAUNCH, -(-STEPS_PER_LAUNCH // max(self.spe, 1))))
 
     def launch_plan(self, runner, first: int) -> list[tuple[int, int, bool, bool]]:

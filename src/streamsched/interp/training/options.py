@@ -56,15 +56,17 @@ class TrainOptions:
     the epoch graph (the captured steps inside a CUDA conditional WHILE node, each epoch's end
     inside the loop) where the driver has conditional nodes, several epochs per launch (about
     STEPS_PER_LAUNCH steps, at most MAX_EPOCHS_PER_LAUNCH epochs); `epoch` one epoch per launch;
-    a number N at most N epochs per launch; `step` launches the steps one by one."""
+    a number N (ASCII digits, 1 or more) at most N epochs per launch, and never more than
+    MAX_EPOCHS_PER_LAUNCH; `step` launches the steps one by one.  Anything else is X004."""
 
 
 STEPS_PER_LAUNCH = 256
 """`--epoch-launch auto`: enough whole epochs in one launch of the epoch graph for about this many
 steps, so the host's cost per launch (the launch, reading the ends) is spread over them."""
 MAX_EPOCHS_PER_LAUNCH = 16
-"""The most epochs in one launch: the loop reads a launch's ends while the next runs, so the
-progress, the log and a divergence stop lag the device by at most two launches."""
+"""The most epochs in one launch (`--epoch-launch N` is capped here): the loop reads a launch's
+ends after it has issued the next launch, so the progress, the log lines and a divergence stop
+come at most one launch after the device got there."""
 
 
 @dataclass
@@ -105,7 +107,8 @@ class TrainResult:
     device's and the host's work at the epoch boundaries), evaluation time taken out; None for
     a run of one epoch."""
     epoch_launches: int = 0
-    """Epochs that ran as one launch of the epoch graph (`--epoch-launch auto`)."""
+    """Launches of the epoch graph (`--epoch-launch auto|epoch|N`), each of one or more whole
+    epochs; 0 when the steps were launched one by one."""
     loop_cpu_s: dict[str, float] = field(default_factory=lambda: {"launch": 0.0, "finish": 0.0, "main_thread": 0.0})
     """The loop thread's CPU seconds (time.thread_time): in epoch-graph launches, in reading
     epoch ends (`finish`, the whole run), and in the steady state (`steady`'s span)."""

@@ -251,4 +251,17 @@ def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
                       "--resume-weights starts a new run from a checkpoint's parameters: give one of them")
     if opts.data_on not in DATA_ON:
         raise _x("X004", f"unknown --data-on `{opts.data_on}`", help="--data-on auto, host or device")
+    why = epoch_launch_error(opts.epoch_launch)
+    if why:
+        raise _x("X004", f"--epoch-launch: {why}", help="--epoch-launch auto, epoch, step or a number of epochs, "
+                                                        "e.g. `--epoch-launch 4`")
     return seed, epochs
+
+
+def epoch_launch_error(value) -> str:
+    """Why `value` is not an --epoch-launch (auto, epoch, step, or a whole number of epochs per
+    launch, 1 or more, in ASCII digits), or '' when it is one."""
+    if isinstance(value, str) and (value in ("auto", "epoch", "step")
+                                   or (value.isascii() and value.isdigit() and value.strip("0") != "")):
+        return ""
+    return f"`{value}` is not auto, epoch, step or a number of epochs (1 or more)"
