@@ -64,6 +64,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,7 +280,6 @@ class RingEnd:
 
     def __init__(self, owner: "EpochEnds", index: int, evaluate: bool, event):
         self.owner, self.index, self.evaluate, self.event = owner, index, evaluate, event
-        self.snapshot = False
         self._result: EpochEndResult | None = None
 
     def ready(self) -> bool:
@@ -688,6 +688,45 @@ def _handle_value(h) -> int:
         return ctypes.c_ulonglong.from_address(h.getPtr()).value
 
 
+def _while_handle(rt, graph):
+    """A WHILE node's handle in `graph`, 1 at each launch (cudaGraphCondAssignDefault)."""
+    return check(rt.cudaGraphConditionalHandleCreate(graph, 1, getattr(rt, "cudaGraphCondAssignDefault", 1)),
+                 "cudaGraphConditionalHandleCreate")
+
+
+@contextmanager
+def _captured_into(rt, stream_ptr: int, graph, deps: list, what: str):
+    """Capture what `stream_ptr` is issued meanwhile into `graph` (a conditional node's body),
+    after `deps` (cudaStreamBeginCaptureToGraph, relaxed mode)."""
+    mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+    check(rt.cudaStreamBeginCaptureToGraph(stream_ptr, graph, deps or None, None, len(deps), mode),
+          f"cudaStreamBeginCaptureToGraph ({what})")
+    try:
+        yield
+    finally:
+        check(rt.cudaStreamEndCapture(stream_ptr), f"cudaStreamEndCapture ({what})")
+
+
+def _node_built(rt, build, upload_stream) -> tuple:
+    """(graph, exec): a graph built node by node by `build(graph)` with Python's collector off
+    (no CuPy object is freed into a capture), destroyed if `build` raises, then instantiated and
+    uploaded on `upload_stream`."""
+    gc_was = gc.isenabled()
+    gc.disable()
+    g = check(rt.cudaGraphCreate(0), "cudaGraphCreate (the epoch graph)")
+    try:
+        build(g)
+    except BaseException:
+        rt.cudaGraphDestroy(g)
+        raise
+    finally:
+        if gc_was:
+            gc.enable()
+    ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
+    check(rt.cudaGraphUpload(ge, int(upload_stream.ptr)), "cudaGraphUpload")
+    return g, ge
+
+
 class EpochGraph:
     """The steady steps of a plan, looped on the device (module docstring), for one executor.
 
@@ -750,8 +789,7 @@ class EpochGraph:
             check(rt.cudaStreamBeginCapture(cptr, relaxed), "cudaStreamBeginCapture")
             try:
                 graph, deps = _capture_info(rt, cptr)
-                hw = check(rt.cudaGraphConditionalHandleCreate(graph, 1, getattr(rt, "cudaGraphCondAssignDefault", 1)),
-                           "cudaGraphConditionalHandleCreate")
+                hw = _while_handle(rt, graph)
                 wnode, wbody = _conditional(rt, graph, deps, "While", hw)
                 _set_deps(rt, cptr, [wnode])
                 sptr = int(self.side.ptr)
@@ -822,49 +860,32 @@ class EpochGraph:
 
         The top graph is built node by node and the outer body captured on the evaluator's home
         stream (where its work must be captured), the inner body on the side stream."""
-        rt, cp = self.rt, self.cp
-        b = self.boundary
+        rt, b = self.rt, self.boundary
         cap = b.ctx.streams[b.ctx.names[0]]
-        cptr = int(cap.ptr)
-        relaxed = rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
-        gc_was = gc.isenabled()
-        gc.disable()
-        g = check(rt.cudaGraphCreate(0), "cudaGraphCreate (the epoch graph)")
-        try:
-            ho = check(rt.cudaGraphConditionalHandleCreate(g, 1, getattr(rt, "cudaGraphCondAssignDefault", 1)),
-                       "cudaGraphConditionalHandleCreate")
+        cptr, sptr = int(cap.ptr), int(self.side.ptr)
+
+        def build(g):
+            ho = _while_handle(rt, g)
             _onode, obody = _conditional(rt, g, [], "While", ho)
             hi = check(rt.cudaGraphConditionalHandleCreate(obody, 0, 0), "cudaGraphConditionalHandleCreate")
-            check(rt.cudaStreamBeginCaptureToGraph(cptr, obody, None, None, 0, relaxed),
-                  "cudaStreamBeginCaptureToGraph (the outer loop)")
-            try:
+            with _captured_into(rt, cptr, obody, [], "the outer loop"):
                 with cap:
                     self._arm((1,), (1,), (np.uint64(_handle_value(hi)), b.ctr))
                 g2, d2 = _capture_info(rt, cptr)
                 inode, ibody = _conditional(rt, g2, d2, "While", hi)
                 _set_deps(rt, cptr, [inode])
-                sptr = int(self.side.ptr)
-                check(rt.cudaStreamBeginCaptureToGraph(sptr, ibody, None, None, 0, relaxed),
-                      "cudaStreamBeginCaptureToGraph (the inner loop)")
-                try:
+                with _captured_into(rt, sptr, ibody, [], "the inner loop"):
                     self._capture_iteration(ibody, sptr, hi, 1)
-                finally:
-                    check(rt.cudaStreamEndCapture(sptr), "cudaStreamEndCapture (the inner loop)")
-                with cp.cuda.using_allocator(self.ex._pool.malloc):
-                    b.issue_ring_device(cap, evaluate, capturing=True)
+                self._ring_end(cap, evaluate)
                 with cap:
                     self._outer((1,), (1,), (np.uint64(_handle_value(ho)), self.loop, self.ends, b.ctr))
-            finally:
-                check(rt.cudaStreamEndCapture(cptr), "cudaStreamEndCapture (the outer loop)")
-        except BaseException:
-            rt.cudaGraphDestroy(g)
-            raise
-        finally:
-            if gc_was:
-                gc.enable()
-        ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
-        check(rt.cudaGraphUpload(ge, int(self.home.ptr)), "cudaGraphUpload")
-        return g, ge
+
+        return _node_built(rt, build, self.home)
+
+    def _ring_end(self, cap, evaluate: bool) -> None:
+        """The epoch's ring end, into the graph `cap` (the evaluator's home stream) captures."""
+        with self.cp.cuda.using_allocator(self.ex._pool.malloc):
+            self.boundary.issue_ring_device(cap, evaluate, capturing=True)
 
     def prepare(self, variants) -> None:
         """Build the executable graphs of `variants` now, before the run's first step, so no
@@ -920,22 +941,15 @@ class EpochGraph:
 
         The top graph and the bodies are built node by node, the loop's kernels and each ring
         end captured on the evaluator's home stream (where its work must be captured)."""
-        rt, cp = self.rt, self.cp
-        b = self.boundary
+        rt, b = self.rt, self.boundary
         cap = b.ctx.streams[b.ctx.names[0]]
         cptr = int(cap.ptr)
-        relaxed = rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
-        gc_was = gc.isenabled()
-        gc.disable()
-        g = check(rt.cudaGraphCreate(0), "cudaGraphCreate (the epoch graph)")
-        try:
-            hw = check(rt.cudaGraphConditionalHandleCreate(g, 1, getattr(rt, "cudaGraphCondAssignDefault", 1)),
-                       "cudaGraphConditionalHandleCreate")
+
+        def build(g):
+            hw = _while_handle(rt, g)
             _wnode, wbody = _conditional(rt, g, [], "While", hw)
             hs = check(rt.cudaGraphConditionalHandleCreate(wbody, 0, 0), "cudaGraphConditionalHandleCreate")
-            check(rt.cudaStreamBeginCaptureToGraph(cptr, wbody, None, None, 0, relaxed),
-                  "cudaStreamBeginCaptureToGraph (the epoch loop)")
-            try:
+            with _captured_into(rt, cptr, wbody, [], "the epoch loop"):
                 with cap:
                     self._slot((1,), (1,), (np.uint64(_handle_value(hs)), self.loop, b.ctr, np.int32(self.first),
                                             np.int32(self.period)))
@@ -945,29 +959,15 @@ class EpochGraph:
                 with cap:
                     self._after((1,), (1,), (np.uint64(_handle_value(hw)), self.loop, self.ends, b.ctr,
                                              np.int32(self.spe)))
-            finally:
-                check(rt.cudaStreamEndCapture(cptr), "cudaStreamEndCapture (the epoch loop)")
             for s0, sb in enumerate(sbodies[:self.period]):
                 prev: list = []
                 for i in range(self.spe):
                     prev = [check(rt.cudaGraphAddChildGraphNode(sb, prev, len(prev), self.raw[(s0 + i) % self.period]),
                                   "cudaGraphAddChildGraphNode")]
-                check(rt.cudaStreamBeginCaptureToGraph(cptr, sb, prev, None, len(prev), relaxed),
-                      "cudaStreamBeginCaptureToGraph (the epoch's end)")
-                try:
-                    with cp.cuda.using_allocator(self.ex._pool.malloc):
-                        b.issue_ring_device(cap, evaluate, capturing=True)
-                finally:
-                    check(rt.cudaStreamEndCapture(cptr), "cudaStreamEndCapture (the epoch's end)")
-        except BaseException:
-            rt.cudaGraphDestroy(g)
-            raise
-        finally:
-            if gc_was:
-                gc.enable()
-        ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
-        check(rt.cudaGraphUpload(ge, int(self.home.ptr)), "cudaGraphUpload")
-        return g, ge
+                with _captured_into(rt, cptr, sb, prev, "the epoch's end"):
+                    self._ring_end(cap, evaluate)
+
+        return _node_built(rt, build, self.home)
 
     def _evaluates(self, evaluate: bool) -> bool:
         """Whether an end asked to evaluate does so on the device (it has an evaluator): the

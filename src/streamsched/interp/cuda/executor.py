@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -387,25 +388,13 @@ class CudaExecutor:
                 if isinstance(instrs, tuple):
                     self._by_tuple[id(instrs)] = (instrs, prog)
         host_arrays = self.host_arrays
-        if not prog.allocates:  # graph launches, host work, records and waits: no temporaries
+        # eager launches may allocate temporaries: from the executor's pool; a step of graph
+        # launches, host work, records and waits skips the context (a cost per step on the host)
+        with self.cp.cuda.using_allocator(self._pool.malloc) if prog.allocates else nullcontext():
             for kind, a, b in prog.ops:
                 if kind == "graph":
                     self._launch_graph(a, b)
-                elif kind == "host":
-                    if host_fn is None:
-                        raise CudaTaskError("host task reached but run() got no host_fn",
-                                            task=a.task, phase="eager")
-                    host_fn(a.task, host_arrays)
-                elif kind == "sync":
-                    a.synchronize()
-                elif kind == "record":
-                    a.record(b)
-                else:  # "wait"
-                    a.wait_event(b)
-            return
-        with self.cp.cuda.using_allocator(self._pool.malloc):
-            for kind, a, b in prog.ops:
-                if kind == "launch":
+                elif kind == "launch":
                     self._launch(a, "eager")
                     if self.sync_each:
                         self._sync_task(a)
@@ -413,8 +402,6 @@ class CudaExecutor:
                     a.wait_event(b)
                 elif kind == "record":
                     a.record(b)
-                elif kind == "graph":
-                    self._launch_graph(a, b)
                 elif kind == "sync":
                     a.synchronize()
                 elif kind == "accumulate":

@@ -123,10 +123,6 @@ class CudaRunner:
         self.graph = g
         return g
 
-    def run_epoch(self, evaluate: bool, snapshot: bool, order=None):
-        """One launch of the epoch graph (its steps and its end): an `epoch.EpochEnd`."""
-        return self.run_epochs(1, evaluate, snapshot, order)[0]
-
     def run_epochs(self, n: int, evaluate: bool, snapshot: bool, order=None) -> list:
         """One launch of the epoch graph: n epochs (their steps and ends, ring ends, one per
         epoch), or one epoch with its end after the loop where its end cannot be a ring end

@@ -88,10 +88,7 @@ class DataPath:
         """The host work of `stage` task `task` issued by step `at` of this run (from 0; its
         `ahead` attribute says which later step's batch it prefetches): that batch's field (rank
         `rank`'s shard of it; None: this process's rank), cast into the pinned slot `out`."""
-        xb, yb = self.batch_at(at + task.attr("ahead", 0))
-        if self.world > 1:
-            xb, yb = shard(xb, yb, self.rank if rank is None else rank, self.world)
-        np.copyto(out, xb if task.attr("field") == self.feat else yb, casting="unsafe")
+        self.stager(task, out)(at, rank)
 
     def stager(self, task: Task, out: np.ndarray):
         """`stage` for one task and its slot, as a call (at, rank) with the task's attributes
