@@ -514,6 +514,15 @@ class _FakeCtx:
     def lt_handle(self, s):
         return 3, 4096, 1 << 22
 
+    def lt_candidates(self, lt, handle, desc, la, lb, ld, ws_bytes):
+        return [np.zeros((8,), np.uint64)]
+
+    def lt_problem_key(self, *parts):
+        return parts
+
+    def lt_algo(self, key, cands, stream, ws_bytes, make_run):
+        return cands[0]  # no device here: nothing is timed
+
     def stream_ptr(self, s):
         return 99
 

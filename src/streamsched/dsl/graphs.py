@@ -33,6 +33,8 @@ def assign_slots(scope: Scope, buffers: Buffers) -> None:
             names = tuple(s.id for s in g.slots)
             if len(set(names)) != len(names):
                 scope.sink.err("S002", f"graph `{g.name.id}` names a slot twice", g.span)
+                if not buffers.slots:  # go on with each name once, so later passes still resolve
+                    buffers.slots = tuple(dict.fromkeys(names))
             elif buffers.slots and names != buffers.slots:
                 scope.sink.err("S009", f"graph `{g.name.id}` has slots {list(names)}, others have "
                                f"{list(buffers.slots)}", g.span)

@@ -122,12 +122,13 @@ class Buffers:
         return [name]
 
     def has(self, name: str) -> bool:
-        return self.slotted(name)[0] in self.buffers
+        names = self.slotted(name)
+        return bool(names) and names[0] in self.buffers
 
     def btype(self, name: str, span: Span | None = None) -> tuple[tuple[int, ...], str]:
         """(shape, dtype) of a template name; raises _Abort when it has no buffer (S007 unless an
         earlier mistake, already reported, failed to produce it)."""
-        b = self.buffers.get(self.slotted(name)[0])
+        b = self.buffers.get((self.slotted(name) or [""])[0])
         if b is None:
             # A value an earlier mistake failed to produce (that mistake was reported).
             if not self.sink.diags:
@@ -137,7 +138,7 @@ class Buffers:
 
     def storage_root(self, name: str) -> str:
         """The buffer whose storage a (template) name uses: the end of its `into` chain."""
-        b = self.buffers.get(self.slotted(name)[0])
+        b = self.buffers.get((self.slotted(name) or [""])[0])
         seen = set()
         while b is not None and b.alias_of and b.alias_of not in seen:
             seen.add(b.alias_of)

@@ -19,6 +19,9 @@ WORKSPACE_BYTES = 32 << 20
 
 # cudaDataType_t values (library_types.h); nvmath's bindings take plain ints.
 _CUDA_R_16F, _CUDA_R_32F = 2, 0
+_LT_DTYPE = {"float32": 0, "float64": 1}
+_LT_COMPUTE = {"float32": 68, "float64": 70}  # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F
+_LT_TF32 = 77  # CUBLAS_COMPUTE_32F_FAST_TF32
 
 
 class CudaError(RuntimeError):
@@ -150,6 +153,8 @@ class DeviceContext:
         self._tf32 = tf32
         self._closed = False
         self._h2d_fn = None
+        self._lt_gemms: dict[tuple, Any] = {}
+        self._tune_stream = None
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -218,6 +223,11 @@ class DeviceContext:
                 raise
             self.workspaces[s] = ws
             self.handles[s] = h
+        for s in names or self.names:
+            try:
+                self.lt_handle(s)  # the cuBLASLt handle and workspace too (ctx.gemm's path)
+            except ImportError:
+                break
 
     def lt_handle(self, s: str) -> tuple[int, int, int]:
         """(cuBLASLt handle, workspace pointer, workspace bytes) of stream `s`, created on first use
@@ -230,7 +240,10 @@ class DeviceContext:
 
             self.stream(s)  # a known stream
             h = lt.create()
-            self.lt_workspaces[s] = self.cp.empty((self.workspace_bytes,), dtype=self.cp.uint8)
+            # the stream's cuBLAS workspace when it has one: both libraries' calls on one stream
+            # run one after another (in stream order, or along a captured graph's edges)
+            ws = self.workspaces.get(s)
+            self.lt_workspaces[s] = ws if ws is not None else self.cp.empty((self.workspace_bytes,), dtype=self.cp.uint8)
             self.lt_handles[s] = h
         ws = self.lt_workspaces[s]
         return h, int(ws.data.ptr), self.workspace_bytes
@@ -276,6 +289,9 @@ class DeviceContext:
             with self.stream(stream):
                 c.fill(0)
             return
+        if a.dtype == b.dtype == c.dtype and str(a.dtype) in _LT_COMPUTE and \
+                self._lt_gemm(name, a, b, c, m, n, k, ta, tb, alpha, beta):
+            return
         cb = cublas()
         h = self.handle(name)
         opa = int(cb.Operation.T if ta else cb.Operation.N)
@@ -297,6 +313,125 @@ class DeviceContext:
                         self._const("float32", beta), c.data.ptr, _CUDA_R_16F, n)
         else:
             raise NotImplementedError(f"gemm: dtype {dt} is not supported")
+
+    def _lt_gemm(self, name: str, a, b, c, m: int, n: int, k: int, ta: bool, tb: bool,
+                 alpha: float, beta: float) -> bool:
+        """`gemm` through cuBLASLt with the algorithm `gemm_tune.choose` made for this problem
+        (timed once per process, outside captures); False (the caller runs cublas<t>gemm) when
+        cuBLASLt is missing or refuses the problem, or an operand is not 16-byte aligned (what the
+        algorithms were chosen for).  Layouts as in `gemm`: row-major C = op(A) op(B) is
+        column-major C^T = op(B)^T op(A)^T, so cuBLASLt's A is `b` (transposed when tb) and its B
+        is `a` (transposed when ta)."""
+        if (a.data.ptr | b.data.ptr | c.data.ptr) % 16:
+            return False
+        dt = str(a.dtype)
+        key = (dt, m, n, k, ta, tb)
+        plan = self._lt_gemms.get(key, False)
+        if plan is False:
+            plan = self._lt_gemm_plan(name, dt, m, n, k, ta, tb, a, b)
+            self._lt_gemms[key] = plan
+        if plan is None:
+            return False
+        lt, desc, la, lb, ld, cands, pkey = plan
+        handle, ws_ptr, ws_bytes = self.lt_handle(name)
+        sp = int(self.stream(name).ptr)
+
+        def make_run():
+            scratch = self.cp.empty((m, n), dtype=c.dtype)  # tuning writes here, never into c
+            one, zero, d = self._const(dt, 1.0), self._const(dt, 0.0), scratch.data.ptr
+
+            def run(al, stream_ptr, wp, wb):
+                lt.matmul(handle, desc, one, b.data.ptr, la, a.data.ptr, lb, zero, d, ld, d, ld,
+                          al.ctypes.data, wp, wb, stream_ptr)
+
+            held = [scratch]
+            return run, held.clear  # release: drops the last reference to scratch
+
+        algo = self.lt_algo(pkey, cands, name, ws_bytes, make_run)
+        lt.matmul(handle, desc, self._const(dt, alpha), b.data.ptr, la, a.data.ptr, lb,
+                  self._const(dt, beta), c.data.ptr, ld, c.data.ptr, ld, algo.ctypes.data, ws_ptr,
+                  ws_bytes, sp)
+        return True
+
+    def _lt_gemm_plan(self, name, dt, m, n, k, ta, tb, a, b):
+        """(lt, desc, la, lb, ld, candidates, problem key) of one plain GEMM problem, or None."""
+        try:
+            from nvmath.bindings import cublasLt as lt
+        except ImportError:
+            return None
+        r = _LT_DTYPE[dt]
+        compute = _LT_TF32 if (self._tf32 and dt == "float32") else _LT_COMPUTE[dt]
+        made = []
+        desc = None
+        try:
+            handle, _, ws_bytes = self.lt_handle(name)
+            desc = lt.matmul_desc_create(compute, r)
+            for attr, v in ((lt.MatmulDescAttribute.TRANSA, 1 if tb else 0),
+                            (lt.MatmulDescAttribute.TRANSB, 1 if ta else 0)):
+                buf = self._np.array([v], dtype=self._np.int32)
+                lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.itemsize)
+            br, bc = b.shape  # row-major [br, bc] is column-major [bc, br], ld bc
+            ar, ac = a.shape
+            la = lt.matrix_layout_create(r, bc, br, bc)
+            made.append(la)
+            lb = lt.matrix_layout_create(r, ac, ar, ac)
+            made.append(lb)
+            ld = lt.matrix_layout_create(r, n, m, n)
+            made.append(ld)
+            cands = self.lt_candidates(lt, handle, desc, la, lb, ld, ws_bytes)
+        except Exception:
+            for h in made:
+                lt.matrix_layout_destroy(h)
+            if desc is not None:
+                lt.matmul_desc_destroy(desc)
+            return None
+        return (lt, desc, la, lb, ld, cands, self.lt_problem_key("plain", dt, compute, m, n, k, ta, tb, ws_bytes))
+
+    def lt_candidates(self, lt, handle: int, desc: int, la: int, lb: int, ld: int, ws_bytes: int) -> list:
+        """cuBLASLt's heuristic candidates for one problem, best first (gemm_tune.candidates:
+        deterministic reductions, 16-byte alignment, at most `ws_bytes` of workspace)."""
+        from streamsched.interp.cuda import gemm_tune
+
+        return gemm_tune.candidates(lt, handle, desc, la, lb, ld, ws_bytes)
+
+    def lt_problem_key(self, kind: str, dtype: str, compute: int, m: int, n: int, k: int, ta: bool,
+                       tb: bool, *extra) -> tuple:
+        """gemm_tune.problem_key on this context's device."""
+        from streamsched.interp.cuda import gemm_tune
+
+        return gemm_tune.problem_key(self, kind, dtype, compute, m, n, k, ta, tb, *extra)
+
+    def lt_algo(self, key: tuple, cands: list, stream: Any, ws_bytes: int, make_run) -> Any:
+        """The algorithm of problem `key` (gemm_tune.choose: made once per process, by timing when
+        the problem's kind is timed and `stream` is not being captured).  make_run() -> (run,
+        release): called only when the candidates are timed now; run(algo, stream_ptr, ws_ptr,
+        ws_bytes) issues the problem on scratch outputs, release() (called once the timing has
+        synchronized) frees what run needed."""
+        from streamsched.interp.cuda import gemm_tune
+
+        algo = gemm_tune._CHOICES.get(key)
+        if algo is not None:
+            return algo
+        sp = self.stream_ptr(stream)
+        if not gemm_tune.may_time(sp, key[1]):
+            return gemm_tune.choose(self, key, cands, None, sp, ws_bytes)
+        run, release = make_run()
+        try:
+            return gemm_tune.choose(self, key, cands, run, sp, ws_bytes)
+        finally:
+            release()
+
+    def tune_stream(self):
+        """A private non-blocking stream for timing GEMM candidates (gemm_tune)."""
+        if self._tune_stream is None:
+            self._tune_stream = self.cp.cuda.Stream(non_blocking=True)
+        return self._tune_stream
+
+    @property
+    def _np(self):
+        import numpy
+
+        return numpy
 
     def _name_of(self, st) -> str:
         for n, s in self.streams.items():
@@ -379,6 +514,13 @@ class DeviceContext:
                     except Exception:  # pragma: no cover
                         pass
             self.handles.clear()
+            for plan in self._lt_gemms.values():
+                if plan:
+                    lt_, desc, la, lb, ld = plan[:5]
+                    for h in (la, lb, ld):
+                        lt_.matrix_layout_destroy(h)
+                    lt_.matmul_desc_destroy(desc)
+            self._lt_gemms.clear()
             if self.lt_handles:
                 from nvmath.bindings import cublasLt as lt
 

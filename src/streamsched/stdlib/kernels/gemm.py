@@ -315,6 +315,7 @@ def _lt_spec(ins, outs, act, attrs) -> dict:
         aux = outs[1] if act == "relu_aux" else outs[0] if act == "gelu" else None
         a, ta, b_, tb_ = w, False, x, False
         floats, bias = (x, w, b, y) + ((aux,) if act == "gelu" else ()), b
+        kk = k
     else:
         dz, w = ins[0], ins[1]
         ta_, tb = _flags(attrs)
@@ -324,12 +325,40 @@ def _lt_spec(ins, outs, act, attrs) -> dict:
         aux = ins[2] if act == "dgelu" else ins[3]
         a, ta, b_, tb_ = w, tb, dz, ta_
         floats = (dz, w, y, bias) + ((aux,) if act == "dgelu" else ())
+        kk = dz.shape[0] if ta_ else dz.shape[1]
     if act in ("gelu", "dgelu") and n % 8:
         raise ValueError("the GELU aux matrix needs n % 8 == 0")
     aux_ld = n if act in ("gelu", "dgelu") else _mask_ld(n) if aux is not None else 0
     return {"act": act, "dt": str(floats[0].dtype), "floats": floats, "all": floats + ((aux,) if aux is not None else ()),
-            "A": a, "transa": ta, "B": b_, "transb": tb_, "D": y, "m": m, "n": n, "bias": bias, "aux": aux,
+            "A": a, "transa": ta, "B": b_, "transb": tb_, "D": y, "m": m, "n": n, "k": kk, "bias": bias, "aux": aux,
             "aux_ld": aux_ld}
+
+
+def _lt_desc(lt, sp, bias_ptr: int, aux_ptr: int | None):
+    """The matmul descriptor of spec `sp` with its epilogue reading / writing these pointers."""
+    name, value = _EPILOGUE[sp["act"]]
+    enum = getattr(lt, "Epilogue", None)
+    epilogue = int(getattr(enum, name)) if enum is not None and hasattr(enum, name) else value
+    r = _CUDA_R[sp["dt"]]
+    desc = lt.matmul_desc_create(_COMPUTE[sp["dt"]], r)
+    try:
+        def put(attr, value, dtype):
+            get = getattr(lt, "get_matmul_desc_attribute_dtype", None)
+            buf = np.array([value], dtype=get(attr) if get is not None else dtype)
+            lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.itemsize)
+
+        At = lt.MatmulDescAttribute
+        put(At.TRANSA, 1 if sp["transa"] else 0, np.int32)  # CUBLAS_OP_T / CUBLAS_OP_N
+        put(At.TRANSB, 1 if sp["transb"] else 0, np.int32)
+        put(At.EPILOGUE, epilogue, np.uint32)
+        put(At.BIAS_POINTER, bias_ptr, np.uint64)
+        if aux_ptr is not None:
+            put(At.EPILOGUE_AUX_POINTER, aux_ptr, np.uint64)
+            put(At.EPILOGUE_AUX_LD, sp["aux_ld"], np.int64)
+    except BaseException:
+        lt.matmul_desc_destroy(desc)
+        raise
+    return desc
 
 
 def _lt_build(ctx, stream, sp):
@@ -342,70 +371,61 @@ def _lt_build(ctx, stream, sp):
         if not a.flags.c_contiguous or a.data.ptr % 16:
             raise ValueError("operands must be C-contiguous and 16-byte aligned")
     A, B, D, m, n = sp["A"], sp["B"], sp["D"], sp["m"], sp["n"]
-    handle, ws_ptr, ws_bytes = ctx.lt_handle(stream if isinstance(stream, str) else ctx._name_of(stream))
+    sname = stream if isinstance(stream, str) else ctx._name_of(stream)
+    handle, ws_ptr, ws_bytes = ctx.lt_handle(sname)
     r = _CUDA_R[dt]
-    name, value = _EPILOGUE[sp["act"]]
-    enum = getattr(lt, "Epilogue", None)
-    epilogue = int(getattr(enum, name)) if enum is not None and hasattr(enum, name) else value
-    desc = lt.matmul_desc_create(_COMPUTE[dt], r)
-    made = {"desc": desc, "layouts": [], "pref": None}
+    aux = sp["aux"]
+    desc = _lt_desc(lt, sp, sp["bias"].data.ptr, None if aux is None else aux.data.ptr)
+    made = {"desc": desc, "layouts": []}
     try:
-        def put(attr, value, dtype):
-            get = getattr(lt, "get_matmul_desc_attribute_dtype", None)
-            buf = np.array([value], dtype=get(attr) if get is not None else dtype)
-            lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.itemsize)
-
-        At = lt.MatmulDescAttribute
-        put(At.TRANSA, 1 if sp["transa"] else 0, np.int32)  # CUBLAS_OP_T / CUBLAS_OP_N
-        put(At.TRANSB, 1 if sp["transb"] else 0, np.int32)
-        put(At.EPILOGUE, epilogue, np.uint32)
-        put(At.BIAS_POINTER, sp["bias"].data.ptr, np.uint64)
-        if sp["aux"] is not None:
-            put(At.EPILOGUE_AUX_POINTER, sp["aux"].data.ptr, np.uint64)
-            put(At.EPILOGUE_AUX_LD, sp["aux_ld"], np.int64)
         # a row-major [r, c] buffer is a column-major [c, r] matrix with ld c (op applied by TRANS*)
         la = lt.matrix_layout_create(r, A.shape[1], A.shape[0], A.shape[1])
         lb = lt.matrix_layout_create(r, B.shape[1], B.shape[0], B.shape[1])
         ld = lt.matrix_layout_create(r, n, m, n)
         made["layouts"] = [la, lb, ld]
-        pref = lt.matmul_preference_create()
-        made["pref"] = pref
-        P = lt.MatmulPreferenceAttribute
-
-        def pref_put(attr, value):
-            get = getattr(lt, "get_matmul_preference_attribute_dtype", None)
-            buf = np.array([value], dtype=get(attr) if get is not None else np.uint64)
-            lt.matmul_preference_set_attribute(pref, int(attr), buf.ctypes.data, buf.itemsize)
-
-        pref_put(P.MAX_WORKSPACE_BYTES, ws_bytes)
-        # The heuristic assumes 256-byte aligned operands unless told.  It is told 16 bytes (what
-        # every operand is checked to have), never the alignment these pointers happen to have:
-        # an algorithm chosen for a 256-byte aligned allocation faulted intermittently on the H200
-        # (an illegal address in the warm-up, the first executor of a process), and a choice that
-        # depends on where the allocator put the arrays is not reproducible either.
-        for attr in ("MIN_ALIGNMENT_A_BYTES", "MIN_ALIGNMENT_B_BYTES", "MIN_ALIGNMENT_C_BYTES", "MIN_ALIGNMENT_D_BYTES"):
-            if hasattr(P, attr):
-                pref_put(getattr(P, attr), 16)
-        res = np.zeros((1,), dtype=np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64),
-                                             ("state", np.int32), ("waves", np.float32),
-                                             ("reserved", np.int32, (4,))]))
-        count = np.zeros((1,), np.int32)
-        lt.matmul_algo_get_heuristic(handle, desc, la, lb, ld, ld, pref, 1, res.ctypes.data, count.ctypes.data)
-        if count[0] < 1 or res[0]["state"] != 0:
-            raise RuntimeError("no algorithm for this epilogue")
-        algo = np.ascontiguousarray(res[0]["algo"])
+        cands = ctx.lt_candidates(lt, handle, desc, la, lb, ld, ws_bytes)
         one = np.array([1.0], dtype=dt)
         zero = np.array([0.0], dtype=dt)
+        key = ctx.lt_problem_key(sp["act"], dt, _COMPUTE[dt], m, n, sp["k"], sp["transa"], sp["transb"],
+                                 sp["aux_ld"], ws_bytes)
+        algo = ctx.lt_algo(key, cands, stream, ws_bytes,
+                           lambda: _lt_scratch_run(ctx, lt, sp, handle, (la, lb, ld), one, zero))
         return {"lt": lt, "handle": handle, "desc": desc, "la": la, "lb": lb, "ld": ld, "algo": algo,
-                "alpha": one, "beta": zero, "ws": ws_ptr, "ws_bytes": ws_bytes, "pref": pref,
+                "alpha": one, "beta": zero, "ws": ws_ptr, "ws_bytes": ws_bytes,
                 "a": A.data.ptr, "b": B.data.ptr, "d": D.data.ptr}
     except BaseException:
         for h in made["layouts"]:
             lt.matrix_layout_destroy(h)
-        if made["pref"] is not None:
-            lt.matmul_preference_destroy(made["pref"])
         lt.matmul_desc_destroy(desc)
         raise
+
+
+def _lt_scratch_run(ctx, lt, sp, handle, layouts, one, zero):
+    """(run, release) for timing an epilogue problem's candidates (ctx.lt_algo): run issues the
+    call on scratch copies of everything it writes (D; the aux output of a forward; the bias
+    gradient of a backward), so tuning at bind time never touches the program's buffers; release
+    drops the scratch arrays and destroys the descriptor naming them, once the timing is done."""
+    cp = ctx.cp
+    fwd = sp["act"] in ("relu", "relu_aux", "gelu")
+    aux = sp["aux"]
+    d = cp.empty_like(sp["D"])
+    bias = sp["bias"] if fwd else cp.empty_like(sp["bias"])
+    aux_s = None if aux is None else (cp.empty_like(aux) if fwd else aux)
+    desc = _lt_desc(lt, sp, bias.data.ptr, None if aux_s is None else aux_s.data.ptr)
+    la, lb, ld = layouts
+    a_ptr, b_ptr, d_ptr = sp["A"].data.ptr, sp["B"].data.ptr, d.data.ptr
+
+    def run(algo, stream_ptr, wp, wb):
+        lt.matmul(handle, desc, one.ctypes.data, a_ptr, la, b_ptr, lb, zero.ctypes.data, d_ptr, ld,
+                  d_ptr, ld, algo.ctypes.data, wp, wb, stream_ptr)
+
+    held = [d, bias, aux_s]
+
+    def release():
+        held.clear()
+        lt.matmul_desc_destroy(desc)
+
+    return run, release
 
 
 def _alignment(ptr: int) -> int:
