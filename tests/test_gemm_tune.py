@@ -171,8 +171,8 @@ def test_the_preference_asks_for_deterministic_reductions_only():
 
 
 @pytest.mark.parametrize("value,plain,epilogue", [(None, False, True), ("epilogues", False, True), ("1", False, True),
-                                                  ("all", True, True), ("ALL", True, True), ("0", False, False),
-                                                  ("off", False, False), ("bogus", False, True)])
+                                                  ("", False, True), ("all", True, True), (" ALL ", True, True),
+                                                  ("0", False, False)])
 def test_which_problems_are_timed(monkeypatch, value, plain, epilogue):
     if value is None:
         monkeypatch.delenv("STREAMSCHED_GEMM_TUNE", raising=False)
@@ -190,3 +190,39 @@ def test_by_default_a_plain_problem_takes_the_heuristic_choice_untimed(fake, mon
     monkeypatch.delenv("STREAMSCHED_GEMM_TUNE")
     assert int(gemm_tune.choose(_Ctx(), (0, "plain"), _algos(2), run, 7, 1)[0]) == 0 and calls == []
     assert int(gemm_tune.choose(_Ctx(), (0, "relu"), _algos(2), run, 7, 1)[0]) == 1
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "plain", "2", "epilogue", "0.0", "all,plain"])
+def test_any_other_value_is_refused_before_a_run(monkeypatch, value):
+    """gemm_tune refuses it (ValueError), and so does train(), with X004 before any work: a
+    mistyped value must not silently leave timing on."""
+    import os
+
+    from streamsched.diagnostics import StreamschedError
+    from streamsched.interp.train import TrainOptions, train
+    from streamsched.pipeline import compile_file
+
+    monkeypatch.setenv("STREAMSCHED_GEMM_TUNE", value)
+    assert gemm_tune.mode_error(value)
+    with pytest.raises(ValueError, match="STREAMSCHED_GEMM_TUNE"):
+        gemm_tune.mode()
+    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+    c = compile_file(os.path.join(examples, "mlp_digits.sched"))
+    with pytest.raises(StreamschedError) as err:
+        train(c, TrainOptions(backend="cpu", progress=False, epochs=1), base_dir=examples, echo=lambda s: None)
+    (d,) = err.value.diagnostics
+    assert d.code == "X004" and d.message == f"$STREAMSCHED_GEMM_TUNE: `{value}` is not 0, epilogues or all"
+
+
+def test_the_command_line_refuses_it_with_x004_and_no_traceback():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "streamsched", "run", os.path.join(root, "examples", "mlp_digits.sched"),
+                        "-q", "--epochs", "1"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(root, "src"), STREAMSCHED_GEMM_TUNE="false"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "error[X004]: $STREAMSCHED_GEMM_TUNE: `false` is not 0, epilogues or all" in out
+    assert "Traceback" not in out

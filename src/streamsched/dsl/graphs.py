@@ -57,6 +57,9 @@ class Graphs:
     runs: dict[str, Span | None]
     graph_runs: dict[str, dict[str, Span | None]]
     loss_scale: str
+    failed: frozenset = frozenset()
+    """Graphs declared but left out for their mistakes (reported): the step's uses of them stay
+    quiet, and what they would have run is unknown."""
 
 
 def expand_graphs(scope: Scope, buffers: Buffers, streams: Streams, lower: Lowerer, model: ModelInfo | None,
@@ -66,12 +69,14 @@ def expand_graphs(scope: Scope, buffers: Buffers, streams: Streams, lower: Lower
     its backward's templates."""
     ex = _GraphExpander(scope, buffers, streams, lower, model, bwd)
     infos: dict[str, GraphInfo] = {}
+    failed: set[str] = set()
     for i, g in enumerate(scope.graphs_ast.values()):
         try:
             infos[g.name.id] = ex.graph(g, 10000 * (i + 1))
         except _Abort:
+            failed.add(g.name.id)
             continue
-    return Graphs(infos, ex.runs, ex.graph_runs, ex.loss_scale)
+    return Graphs(infos, ex.runs, ex.graph_runs, ex.loss_scale, frozenset(failed))
 
 
 class _GraphExpander:

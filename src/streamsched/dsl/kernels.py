@@ -283,7 +283,11 @@ class _KernelCompiler:
         if isinstance(e, A.Compare):
             x = self.num(self.value(e.left, in_reduction))
             y = self.num(self.value(e.right, in_reduction))
-            return getattr(sp, _CMP[e.op])(x, y)
+            try:
+                return getattr(sp, _CMP[e.op])(x, y)
+            except TypeError:  # SymPy orders real values only: I, zoo (a complex infinity), ...
+                self.fail("S015", f"`{e.op}` compares a value that is not a real number (a root or "
+                          "fractional power of a negative number, or a division by zero)", e.span)
         if isinstance(e, A.Call):
             return self.call(e, in_reduction)
         self.fail("S015", "this is not an expression of a kernel body", getattr(e, "span", None))

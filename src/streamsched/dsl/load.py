@@ -104,6 +104,11 @@ def load_program_files(path: str, text: str | None, sources: SourceCache) -> tup
         rest = []
         for item in f.items:
             if isinstance(item, A.Include):
+                if "\0" in item.path:  # no file system names such a file (and os.path refuses it)
+                    diags.append(Diagnostic("S010", "included file path contains a NUL character", item.span,
+                                            help="include paths are relative to the including file, and name a "
+                                                 "regular .sched file"))
+                    continue
                 target = os.path.join(os.path.dirname(p), item.path)
                 visit(target, None, chain + (key,), item.span)
             else:

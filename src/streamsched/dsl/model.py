@@ -141,12 +141,14 @@ class _ModelExpander:
         loss = last.bind[last.outs[0]]
         shp, dt = self.buffers.btype(loss)
         if shp != () or dt not in ("f32", "f64", "f16", "bf16"):
-            self.fail("S018", f"model `{m.name.id}` must end in a scalar loss; `{last.outs[0]}` is {dt}{list(shp)}",
+            # the model's own name for the value (its statement's target), not the op's output name
+            shown = next((k for k, v in values.items() if v == loss), last.outs[0])
+            self.fail("S018", f"model `{m.name.id}` must end in a scalar loss; `{shown}` is {dt}{list(shp)}",
                       last.span, help="end the model with a loss op such as softmax_cross_entropy")
         logits = last.bind.get(last.inputs[0], "") if last.inputs else ""
         labels = last.bind.get(last.inputs[1], "") if len(last.inputs) > 1 else ""
         label_input = next((k for k, v in values.items() if v == labels), "")
-        batch = int(env.get("batch", inputs[0][1][0] if inputs else 1))
+        batch = int(env.get("batch", inputs[0][1][0] if inputs and inputs[0][1] else 1))
         params = self.params
         info = ModelInfo(m.name.id, tuple(inputs), tuple(params), tuple(f"grad.{p}" for p in params), loss,
                          logits, label_input, batch, tuple(fwd), tuple(self.evals))

@@ -78,7 +78,10 @@ def collect(scope: Scope) -> None:
                 for d in item.decls:
                     _unique(scope, scope.state_decls, d.name, d, "state")
     if not scope.streams and not any(isinstance(i, A.Streams) for f in scope.files for i in f.items):
-        first = scope.files[-1].items[0].span if scope.files and scope.files[-1].items else None
+        if scope.files and scope.files[-1].items:
+            first = scope.files[-1].items[0].span
+        else:  # an empty file (or only comments): the file's first character, so its name is shown
+            first = Span(scope.files[-1].path, 1, 1, 1, 1) if scope.files else None
         err("S001", "no streams are declared", first, help="declare them first: `streams { comp1 : compute }`")
 
 

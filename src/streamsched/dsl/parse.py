@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import re
+import sys
 from functools import lru_cache
 
 from lark import Lark, Token, Transformer, Tree, v_args
@@ -56,6 +58,25 @@ def _anon_patterns() -> dict[str, str]:
 
 _PLACE_SEG = re.compile(r"(\.)?([A-Za-z_][A-Za-z0-9_]*|\d+)(\.)?")
 _PLACE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\d+))*")
+
+
+NUMBER_RANGE = "a number must be finite as a float (at most about 1.8e308 in magnitude)"
+
+
+def number_in_range(v) -> bool:
+    """Whether `v` is a number streamsched accepts (NUMBER_RANGE): one that every later pass, the
+    kernels' attributes and the data sources may convert to a float without overflow (`1e999`
+    reads as infinity; an integer past 2^1024 has no float)."""
+    if isinstance(v, bool):
+        return True
+    if isinstance(v, int):
+        return abs(v) <= _FLOAT_MAX_INT
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return True
+
+
+_FLOAT_MAX_INT = int(sys.float_info.max)
 
 
 class _ToAst(Transformer):
@@ -113,6 +134,11 @@ class _ToAst(Transformer):
     def number(self, meta, ch):
         s = str(ch[0])
         v = float(s) if any(c in s for c in ".eE") else int(s)
+        if not number_in_range(v):
+            self.diags.append(Diagnostic(
+                "P007", f"the number `{s if len(s) <= 40 else s[:37] + '...'}` is out of range: " + NUMBER_RANGE,
+                self._sp(meta), help="write a smaller number"))
+            v = 0
         return A.Num(v, self._sp(meta))
 
     @v_args(meta=True)
@@ -632,7 +658,8 @@ def parse(text: str, path: str = "<string>") -> A.File:
 
     Raises StreamschedError with one P-family diagnostic (P001 unexpected end of file,
     P002 unexpected token, P003 unexpected character, P004 expression nested too deeply) on a
-    syntax error, and P006 for each `on` or `into` clause given twice in one statement.
+    syntax error, P006 for each `on` or `into` clause given twice in one statement, and P007
+    for each number out of range (NUMBER_RANGE).
     """
     try:
         tree = _parser().parse(text)

@@ -85,11 +85,14 @@ def run_passes(scope: Scope, path: str, policy: str | None, capture: str | None)
     declare_states(scope, buffers)
     graphs = expand_graphs(scope, buffers, streams, lower, model, bwd)
     before = len(scope.diags)
-    step = resolve_step(scope, buffers, streams, graphs.infos)
-    if model is not None:
+    step = resolve_step(scope, buffers, streams, graphs.infos, graphs.failed)
+    if model is not None and not graphs.failed:  # a rejected graph may hold the forward or backward
         # A step with mistakes of its own is reported, not followed up: every graph counts then.
         check_model_runs(scope, graphs, step, bool(scope.steps) and len(scope.diags) == before, model.name)
     pol, cap = settle_policy(scope, train, policy, capture)
+    if graphs.failed and not scope.diags:  # a backstop: a graph is only left out for a reported mistake
+        for name in sorted(graphs.failed):
+            scope.sink.err("S008", f"graph `{name}` could not be resolved", scope.graphs_ast[name].name.span)
     if scope.diags:
         raise StreamschedError(scope.diags)
     return Program(path, tuple((n, r) for n, (r, _) in scope.streams.items()), tuple(buffers.buffers.values()),

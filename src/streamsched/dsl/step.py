@@ -102,20 +102,31 @@ def trained_model(scope: Scope, train: TrainSettings) -> A.ModelDef | None:
     return None
 
 
-def resolve_step(scope: Scope, buffers: Buffers, streams: Streams, graphs: dict[str, GraphInfo]) -> tuple[Launch, ...]:
+def resolve_step(scope: Scope, buffers: Buffers, streams: Streams, graphs: dict[str, GraphInfo],
+                 failed: frozenset = frozenset()) -> tuple[Launch, ...]:
     """The launches of the file's step (none without one); a statement with a mistake is left
-    out after its diagnostics (S007, S008, S009, S015, S017)."""
+    out after its diagnostics (S007, S008, S009, S015, S017).  failed: graphs declared but left
+    out for mistakes already reported; a statement naming one is left out quietly."""
     if not scope.steps:
         return ()
-    return _StepResolver(scope, buffers, streams, graphs).run(scope.steps[0])
+    return _StepResolver(scope, buffers, streams, graphs, failed).run(scope.steps[0])
 
 
 class _StepResolver:
     """Resolves one step's statements against the graphs that resolved."""
 
-    def __init__(self, scope: Scope, buffers: Buffers, streams: Streams, graphs: dict[str, GraphInfo]):
+    def __init__(self, scope: Scope, buffers: Buffers, streams: Streams, graphs: dict[str, GraphInfo],
+                 failed: frozenset = frozenset()):
         self.scope, self.buffers, self.streams, self.graphs = scope, buffers, streams, graphs
+        self.failed = failed
         self.fail = scope.sink.fail
+
+    def _known(self, name: str) -> bool:
+        """Whether `name` is a graph; a rejected one (its mistake reported) aborts the statement
+        quietly rather than calling it unknown."""
+        if name in self.failed:
+            raise _Abort()
+        return name in self.graphs
 
     def run(self, s: A.StepDef) -> tuple[Launch, ...]:
         buffers = self.buffers
@@ -174,7 +185,7 @@ class _StepResolver:
             if parts[1] not in self.buffers.uploads_planned:
                 self.fail("S007", f"`after {r.text}`: the step does not upload `{parts[1]}`", r.span)
             return AfterRef(f"upload.{parts[1]}", prev, r.span)
-        if len(parts) != 1 or parts[0] not in self.graphs:
+        if len(parts) != 1 or not self._known(parts[0]):
             self.fail("S008", f"unknown graph `{r.text}` in `after`", r.span,
                       help=f"graphs: {', '.join(self.graphs)}; `prev.NAME` names the previous step's launch; "
                            "`upload.NAME` an upload")
@@ -197,7 +208,7 @@ class _StepResolver:
         graphs = self.graphs
         r = st.ref
         gname = ".".join(p.id for p in r.parts)
-        if gname not in graphs:
+        if not self._known(gname):
             self.fail("S008", f"unknown graph `{gname}`", r.span, help=f"graphs: {', '.join(graphs) or 'none'}")
         g = graphs[gname]
         slot = ""
@@ -208,7 +219,7 @@ class _StepResolver:
             slot = self.slot_of(r.index, slot_param)
         for b in st.binds or ():
             bg = ".".join(p.id for p in b.parts)
-            if bg not in graphs:
+            if not self._known(bg):
                 self.fail("S008", f"unknown graph `{bg}`", b.span)
             if b.index is None:
                 if not graphs[bg].slots:

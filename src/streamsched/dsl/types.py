@@ -13,6 +13,7 @@ from typing import Any
 
 from streamsched.diagnostics import Label
 from streamsched.dsl import ast as A
+from streamsched.dsl.parse import NUMBER_RANGE, number_in_range
 from streamsched.dsl.scope import Sink
 from streamsched.interp.ir import DTYPE_BYTES, Span
 
@@ -45,16 +46,25 @@ def const(sink: Sink, e: A.Expr, env: dict[str, Any]) -> Any:
         sink.fail("S007", f"unknown name `{e.name.id}`", e.name.span,
                   help=("known here: " + ", ".join(sorted(env))) if env else "")
     if isinstance(e, A.Neg):
-        return -const(sink, e.operand, env)
+        v = const(sink, e.operand, env)
+        if isinstance(v, str):
+            sink.fail("S015", "this expression is not a constant", e.span)
+        return -v
     if isinstance(e, A.BinOp):
         a, b = const(sink, e.left, env), const(sink, e.right, env)
         try:
             if e.op != "/":
-                return {"+": a + b, "-": a - b, "*": a * b}[e.op]
+                v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b}[e.op]()
             # an exact integer quotient stays an integer (a dimension `n / 2`)
-            return a // b if isinstance(a, int) and isinstance(b, int) and a % b == 0 else a / b
-        except (TypeError, ZeroDivisionError):
+            elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a % b == 0:
+                v = a // b
+            else:
+                v = a / b
+        except (TypeError, ZeroDivisionError, OverflowError, MemoryError):
             sink.fail("S015", "this expression is not a constant", e.span)
+        if isinstance(v, (int, float)) and not number_in_range(v):
+            sink.fail("S015", f"the value of this expression is out of range: {NUMBER_RANGE}", e.span)
+        return v
     sink.fail("S015", "a constant is expected here", e.span)
 
 

@@ -39,8 +39,9 @@ Which problems are timed (`STREAMSCHED_GEMM_TUNE`):
   changed one choice, the classifier's input gradient (21 us faster alone), and the step was
   18 us slower.
 - `all`: every problem, plain GEMMs too.
-- `0`: none: every problem takes the heuristic's first candidate (cuBLAS's own choice, in
-  effect).
+- `0`: none: every problem takes cuBLASLt's first candidate (the heuristic's own choice).
+- Also accepted: `1` and an empty value (`epilogues`).  Any other value is refused: `mode()`
+  raises ValueError, and `streamsched run` / `train()` report X004 before any work.
 
 Choices are per process: two processes may choose differently where two candidates are within
 noise of each other, and their results may then differ in the last bits; with the timing off,
@@ -81,14 +82,29 @@ _HEUR = np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64), ("st
 
 
 TUNE_MODES = ("0", "epilogues", "all")
-"""STREAMSCHED_GEMM_TUNE: time no problem, the epilogue GEMMs' problems (the default), or all."""
+"""STREAMSCHED_GEMM_TUNE: time no problem, the epilogue GEMMs' problems (the default), or all;
+`1` and an empty value are read as `epilogues` (case and surrounding spaces are ignored); any
+other value is refused."""
+TUNE_ENV = "STREAMSCHED_GEMM_TUNE"
+
+
+def mode_error(value: str | None) -> str:
+    """Why `value` is not a STREAMSCHED_GEMM_TUNE value, or '' when it is one (None or empty:
+    unset)."""
+    if value is None or value.strip().lower() in TUNE_MODES + ("1", ""):
+        return ""
+    return f"`{value}` is not 0, epilogues or all"
 
 
 def mode() -> str:
-    """STREAMSCHED_GEMM_TUNE as one of TUNE_MODES ("1" is "epilogues"; anything else unknown is
-    the default, "epilogues")."""
-    v = os.environ.get("STREAMSCHED_GEMM_TUNE", "epilogues").strip().lower()
-    return {"1": "epilogues", "off": "0", "none": "0"}.get(v, v if v in TUNE_MODES else "epilogues")
+    """STREAMSCHED_GEMM_TUNE as one of TUNE_MODES (unset: "epilogues"); ValueError for any other
+    value (`streamsched run` and `train()` refuse it first, with X004)."""
+    v = os.environ.get(TUNE_ENV)
+    why = mode_error(v)
+    if why:
+        raise ValueError(f"${TUNE_ENV}: {why}")
+    v = (v or "").strip().lower()
+    return "epilogues" if v in ("", "1") else v
 
 
 def enabled(kind: str = "plain") -> bool:

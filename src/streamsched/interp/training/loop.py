@@ -222,8 +222,11 @@ class Run:
                           f"new steps follow {s} stretched to the new end, step {total}: {s(r.step):.6g} at step "
                           f"{r.step}, decaying to {end:.6g} (docs/data.md, \"Learning-rate schedules\")")
             else:
+                start = s(r.step)
+                how = (f"decays to {end:.6g} at" if end < start else f"rises to {end:.6g} at" if end > start
+                       else "stays there until")  # a constant rate neither decays nor rises
                 self.echo(f"note: the learning rate continues the plan of `{r.path}` from step {r.step} "
-                          f"({s(r.step):.6g}) and decays to {end:.6g} at step {total}, the end of this run (the plan "
+                          f"({start:.6g}) and {how} step {total}, the end of this run (the plan "
                           f"ended at step {old.total_steps})")
         if self.start_epoch >= self.epochs:
             self.result.note = (f"the checkpoint `{r.path}` already holds all {self.epochs} epoch"

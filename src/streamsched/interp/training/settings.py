@@ -255,6 +255,11 @@ def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
     if why:
         raise _x("X004", f"--epoch-launch: {why}", help="--epoch-launch auto, epoch, step or a number of epochs, "
                                                         "e.g. `--epoch-launch 4`")
+    from streamsched.interp.cuda.gemm_tune import TUNE_ENV, mode_error  # a leaf: NumPy only, no CuPy
+
+    why = mode_error(os.environ.get(TUNE_ENV))
+    if why:
+        raise _x("X004", f"${TUNE_ENV}: {why}", help=f"unset it, or set {TUNE_ENV}=epilogues (the default), all or 0")
     return seed, epochs
 
 
