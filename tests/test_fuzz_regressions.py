@@ -87,3 +87,11 @@ def test_resuming_a_constant_rate_says_it_stays_not_that_it_decays(tmp_path):
           echo=said.append)
     (note,) = [s for s in said if "learning rate continues" in s]
     assert "(0.05) and stays there until step" in note and "decays" not in note
+
+
+def test_into_a_result_the_op_writes_later_is_one_s007(tmp_path):
+    five = open(os.path.join(ROOT, "examples", "five_streams.sched"), encoding="utf-8").read()
+    src = five.replace("dw = matmul(x^T, dy)   on comp1 ", "dw = matmul(x^T, dy)   on comp1 into dx ")
+    assert src != five
+    (code, line, msg), = _diags(tmp_path, src)
+    assert code == "S007" and "`dx`" in msg and line == src[:src.index("into dx")].count("\n") + 1

@@ -126,6 +126,12 @@ class Lowerer:
                               help="`into` names a parameter or an earlier result whose storage the result reuses")
                 if iv.id not in env:
                     self.fail("S007", f"unknown buffer `{iv.id}` in `into`", iv.span)
+                if not self.buffers.has(env[iv.id]):
+                    if any(d.code == "S007" and d.span == iv.span for d in self.scope.sink.diags):
+                        raise _Abort()  # the op's own check said so already (names.py): one mistake, one diagnostic
+                    self.fail("S007", f"`into {iv.id}`: `{iv.id}` has no storage yet here: op `{op.name}` writes "
+                              "it later (or not at all)", iv.span,
+                              help="`into` names a parameter or an earlier result whose storage the result reuses")
                 into = env[iv.id]
             outs = []
             for t in st.targets:

@@ -158,6 +158,10 @@ class Buffers:
                      help=f"drop `into {shown(into)}`")
             pairs = [(o.replace(SLOT, sl), into.replace(SLOT, sl)) for sl in self.slots] if SLOT in o else [(o, into)]
             for name, target in pairs:
+                if target not in self.buffers or name not in self.buffers:
+                    # e.g. an op's backward placing dW into dx, which this backward writes later
+                    fail("S007", "`into` names a value that has no storage yet where this runs "
+                         "(it is written later, or not at all)", at)  # a backstop: lower.expand_op says it first
                 root_b = self.buffers[target]
                 while root_b.alias_of:
                     root_b = self.buffers[root_b.alias_of]
