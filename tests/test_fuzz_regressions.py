@@ -95,3 +95,20 @@ def test_into_a_result_the_op_writes_later_is_one_s007(tmp_path):
     assert src != five
     (code, line, msg), = _diags(tmp_path, src)
     assert code == "S007" and "`dx`" in msg and line == src[:src.index("into dx")].count("\n") + 1
+
+
+@pytest.mark.parametrize("zero", ["0", "0.0"])
+def test_an_op_dividing_by_zero_is_s015(tmp_path, zero):
+    src = ("streams { comp1 : compute }\nop half(x) -> y on comp1 {\n    y = x / " + zero + "\n}\n"
+           "model m(batch = 4) {\n    input x : f32[batch, 4]\n    h = half(x)\n    y = relu(h)\n}\n")
+    (code, line, msg), = _diags(tmp_path, src)
+    assert (code, line, msg) == ("S015", 3, "division by zero")
+
+
+@pytest.mark.parametrize("test", ["1e308", "-1e308", "1.5"])
+def test_a_digits_split_out_of_range_is_x004_at_check(tmp_path, test):
+    from streamsched.cli import main
+
+    p = tmp_path / "d.sched"
+    p.write_text(DIGITS.replace("digits(test = 0.2, seed = 0)", f"digits(test = {test}, seed = 0)"), encoding="utf-8")
+    assert main(["check", str(p)]) == 1

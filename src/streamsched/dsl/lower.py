@@ -59,6 +59,8 @@ def as_call(sink: Sink, e: A.Expr) -> A.Call:
         if e.op == "*" and isinstance(e.left, A.Num):
             return A.Call(A.Name("scale", e.span), (e.right,), (A.KwArg(A.Name("alpha"), e.left),), e.span)
         if e.op in "*/" and isinstance(e.right, A.Num):
+            if e.op == "/" and e.right.value == 0:
+                sink.fail("S015", "division by zero", e.span, help="divide by a number other than 0")
             v = e.right.value if e.op == "*" else 1.0 / e.right.value
             return A.Call(A.Name("scale", e.span), (e.left,), (A.KwArg(A.Name("alpha"), A.Num(v)),), e.span)
         if e.op == "/":

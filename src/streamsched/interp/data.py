@@ -224,8 +224,12 @@ DIGITS_SAMPLES = 1797
 
 def digits_train_samples(test: float) -> int:
     """How many training samples `digits(test = t)` holds: train_test_split's rule, the test
-    split takes ceil(t * n) samples (stratification does not change the counts)."""
-    return DIGITS_SAMPLES - math.ceil(float(test) * DIGITS_SAMPLES)
+    split takes ceil(t * n) samples (stratification does not change the counts).  ValueError
+    unless 0 < t < 1 (`check_source` reports that as X004)."""
+    t = float(test)
+    if not 0.0 < t < 1.0:
+        raise ValueError(f"digits: test fraction {test!r} is not strictly between 0 and 1")
+    return DIGITS_SAMPLES - math.ceil(t * DIGITS_SAMPLES)
 
 
 def check_source(source: str, args: tuple, kwargs: dict, *, base_dir: str, span: Span | None = None) -> dict:
