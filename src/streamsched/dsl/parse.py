@@ -60,6 +60,7 @@ _PLACE_SEG = re.compile(r"(\.)?([A-Za-z_][A-Za-z0-9_]*|\d+)(\.)?")
 _PLACE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\d+))*")
 
 
+_FLOAT_MAX_INT = int(sys.float_info.max)
 NUMBER_RANGE = "a number must be finite as a float (at most about 1.8e308 in magnitude)"
 
 
@@ -75,8 +76,6 @@ def number_in_range(v) -> bool:
         return math.isfinite(v)
     return True
 
-
-_FLOAT_MAX_INT = int(sys.float_info.max)
 
 
 class _ToAst(Transformer):

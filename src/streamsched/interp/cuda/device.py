@@ -359,6 +359,8 @@ class DeviceContext:
             from nvmath.bindings import cublasLt as lt
         except ImportError:
             return None
+        import numpy as np
+
         r = _LT_DTYPE[dt]
         compute = _LT_TF32 if (self._tf32 and dt == "float32") else _LT_COMPUTE[dt]
         made = []
@@ -368,7 +370,7 @@ class DeviceContext:
             desc = lt.matmul_desc_create(compute, r)
             for attr, v in ((lt.MatmulDescAttribute.TRANSA, 1 if tb else 0),
                             (lt.MatmulDescAttribute.TRANSB, 1 if ta else 0)):
-                buf = self._np.array([v], dtype=self._np.int32)
+                buf = np.array([v], dtype=np.int32)
                 lt.matmul_desc_set_attribute(desc, int(attr), buf.ctypes.data, buf.itemsize)
             br, bc = b.shape  # row-major [br, bc] is column-major [bc, br], ld bc
             ar, ac = a.shape
@@ -426,12 +428,6 @@ class DeviceContext:
         if self._tune_stream is None:
             self._tune_stream = self.cp.cuda.Stream(non_blocking=True)
         return self._tune_stream
-
-    @property
-    def _np(self):
-        import numpy
-
-        return numpy
 
     def _name_of(self, st) -> str:
         for n, s in self.streams.items():

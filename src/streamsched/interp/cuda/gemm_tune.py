@@ -202,16 +202,14 @@ def _timed(ctx, key, cands, run, ws_bytes) -> np.ndarray:
     cp = ctx.cp
     st = ctx.tune_stream()
     ws = cp.empty((max(int(ws_bytes), 1),), dtype=cp.uint8)
+    wp, sp = int(ws.data.ptr), int(st.ptr)  # ws (scratch workspace) lives until the timing is done
     times: list[tuple[int, float | None]] = []
-    try:
-        for i, algo in enumerate(cands):
-            try:
-                times.append((i, _graph_us(cp, st, lambda a=algo: run(a, int(st.ptr), int(ws.data.ptr), ws_bytes))))
-            except Exception:  # a candidate the library refuses at run time: skipped
-                times.append((i, None))
-        st.synchronize()
-    finally:
-        del ws
+    for i, algo in enumerate(cands):
+        try:
+            times.append((i, _graph_us(cp, st, lambda a=algo: run(a, sp, wp, ws_bytes))))
+        except Exception:  # a candidate the library refuses at run time: skipped
+            times.append((i, None))
+    st.synchronize()
     _TIMES[key] = times
     ok = [(i, t) for i, t in times if t is not None]
     if not ok:

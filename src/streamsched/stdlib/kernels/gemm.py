@@ -7,6 +7,7 @@ cublasLt bindings on the device."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -428,13 +429,6 @@ def _lt_scratch_run(ctx, lt, sp, handle, layouts, one, zero):
     return run, release
 
 
-def _alignment(ptr: int) -> int:
-    a = 1
-    while a < 256 and ptr % (2 * a) == 0:
-        a *= 2
-    return a
-
-
 def _lt_run(ctx, stream, plan) -> None:
     p = plan
     p["lt"].matmul(p["handle"], p["desc"], p["alpha"].ctypes.data, p["a"], p["la"], p["b"], p["lb"],
@@ -456,7 +450,7 @@ def _unfused(ctx, stream, ins, outs, act) -> None:
 
     x, w, b = ins
     y = outs[0] if act == "relu_aux" else outs[-1]
-    with ctx.stream(stream) if ctx is not None else _nullcontext():
+    with ctx.stream(stream) if ctx is not None else nullcontext():
         m = cp.empty((x.shape[0], w.shape[1]), x.dtype)
         h = outs[0] if act == "gelu" else cp.empty_like(m)
     _twin("matmul")(ctx, stream, [x, w], [m], dict(STDLIB["matmul"].attrs))
@@ -470,19 +464,11 @@ def _bwd_unfused(ctx, stream, ins, outs, act, attrs) -> None:
 
     dz, w = ins[0], ins[1]
     ta, tb = _flags(attrs)
-    with ctx.stream(stream) if ctx is not None else _nullcontext():
+    with ctx.stream(stream) if ctx is not None else nullcontext():
         t = cp.empty(((dz.shape[1] if ta else dz.shape[0]), (w.shape[0] if tb else w.shape[1])), dz.dtype)
     _twin("matmul")(ctx, stream, [dz, w], [t], {"ta": ta, "tb": tb})
     _twin("gelu_grad" if act == "dgelu" else "relu_grad")(ctx, stream, [t, ins[2]], [outs[0]], {})
     _twin("sum")(ctx, stream, [outs[0]], [outs[1]], {"axis": 0})
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _gemm_act_cuda(act):
