@@ -109,8 +109,8 @@ def gpt_spec(compiled) -> dict:
     while f"n{layers + 1}.gamma" in shapes:
         layers += 1
     step = [t for t in sched.tasks if t.step == 0]
-    heads = {_attr(t, "heads") for t in step if t.kernel in ("attn_scores", "attn_grad_p")}
-    contexts = {_attr(t, "context") for t in step if t.kernel in ("attn_scores", "attn_grad_p")}
+    heads = {_attr(t, "heads") for t in step if t.kernel in ("attn_scores", "attn_grad_p", "attn_fused", "attn_fused_grad")}
+    contexts = {_attr(t, "context") for t in step if t.kernel in ("attn_scores", "attn_grad_p", "attn_fused", "attn_fused_grad")}
     if len(heads) != 1 or len(contexts) != 1:
         raise ValueError(f"attention with heads {sorted(heads)} and context {sorted(contexts)}: the twin has one "
                          f"setting of each")
@@ -557,6 +557,11 @@ def torch_graph(spec, init, x, y, lr, *, steps, reps, warmup, check_steps, fused
         if before_timing is not None:
             before_timing()
         res.update(time_cuda(g.replay, steps, reps, warmup))
+        from kernel_profile import kernel_profile, profile_dir
+        if profile_dir():
+            label = ("torch_compile_graph" if compile_mode else "torch_graph_fused" if fused else "torch_graph")
+            t = kernel_profile(g.replay, 20, os.path.join(profile_dir(), f"gpt_text_{label}.json"), label)
+            res["profile"] = {x: t[x] for x in ("kernels_per_step", "busy_us_per_step", "span_us_per_step")}
     return res
 
 

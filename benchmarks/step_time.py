@@ -8,7 +8,7 @@ model, data and initial weights for every variant.
                                              resnet_digits_amp,gpt_text]   (default: all but gpt_text)
                                    [--captures none,graphs,step]
                                    [--compile-budget 150] [--no-compile] [--peer-budget 360]
-                                   [--trace-dir DIR]
+                                   [--trace-dir DIR] [--profile-dir DIR]
 
 Models: an MLP 784-1024-1024-10 in fp32 at batch 128 and 2048 (the .sched text is generated
 here: linear, relu, linear, relu, linear, softmax_cross_entropy; random data written to an npz
@@ -123,6 +123,12 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from kernel_profile import ENV as PROFILE_ENV, kernel_profile, profile_dir  # noqa: E402
+
+PROFILE_STEPS = 20
+"""Steps per kernel profile (--profile-dir)."""
 
 FIVE_STREAMS = """streams {
     trans  : copy       # host-to-device batches and the learning rate
@@ -651,6 +657,7 @@ def start_peer(name: str, spec: dict, init: dict, layers, args) -> dict:
     inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.json")
     ready, go = os.path.join(tmp, "ready"), os.path.join(tmp, "go")
     meta = {k: v for k, v in spec.items() if not isinstance(v, np.ndarray)}
+    meta["name"] = name
     if meta.get("kind") == "resnet":
         meta["dropout"] = 0.0
     np.savez(inp, x=spec["x"], y=spec["y"], meta=np.array(json.dumps({"spec": meta, "layers": layers})),
@@ -789,6 +796,10 @@ def _peer_main(argv: list[str]) -> None:
         while not os.path.exists(a.go):
             time.sleep(0.1)
         res.update(time_torch(g.replay, a))
+        if profile_dir():
+            t = kernel_profile(g.replay, PROFILE_STEPS, os.path.join(profile_dir(), f"{meta.get('name', 'peer')}"
+                                                                     f"_torch_compile_graph.json"), "torch_compile_graph")
+            res["profile"] = {x: t[x] for x in ("kernels_per_step", "busy_us_per_step", "span_us_per_step")}
     except Exception as exc:
         traceback.print_exc()
         res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -965,11 +976,13 @@ def _stats(gpu, host) -> dict:
 # -- streamsched -------------------------------------------------------------------------------
 
 def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_only: bool = False,
-               check_only: bool = False, fuse: bool = True) -> dict:
+               check_only: bool = False, fuse: bool = True, profile_as: str = "") -> dict:
     """One streamsched variant.  replay_only: issue only the device work of each step (graph
     launches, waits, records), leaving out its host tasks and host waits: the device-side step
     time without the host/device round trip of the plan's staging waits (valid here only because
-    the data are static).  check_only: only the loss after `--check-steps` steps."""
+    the data are static).  check_only: only the loss after `--check-steps` steps.  profile_as:
+    with --profile-dir, after the timing, the per-kernel table of PROFILE_STEPS steps is written
+    to DIR/<profile_as>.json (benchmarks/kernel_profile.py)."""
     import cupy as cp
 
     from streamsched.interp.barriers import plan_segment
@@ -1056,6 +1069,15 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
             gpu.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.steps)
             host.append((b - a) * 1e6 / args.steps)
         res = {"loss_after_check": loss, **amp}
+        if profile_as and profile_dir():
+            def one_step():
+                cur["k"] = k_box[0]
+                ex.run(prog(k_box[0]), host_fn)
+                k_box[0] += 1
+            k_box = [k]
+            t = kernel_profile(one_step, PROFILE_STEPS, os.path.join(profile_dir(), f"{profile_as}.json"), profile_as)
+            k = k_box[0]
+            res["profile"] = {x: t[x] for x in ("kernels_per_step", "busy_us_per_step", "span_us_per_step")}
         stale = sorted({t.attr("name") for t in c.schedule.tasks
                         if t.kernel == "set_scalar" and t.attr("name") != "lr"})
         if replay_only and stale:  # e.g. AdamW's step count: the replay re-reads the last upload
@@ -1184,7 +1206,8 @@ def run(args) -> dict:
                     continue
                 try:
                     res = ss_variant(spec[src], capture, spec, init, args, replay_only=replay,
-                                     fuse=extra != "_nofuse")
+                                     fuse=extra != "_nofuse",
+                                     profile_as=f"{name}_{vname}" if capture == "step" else "")
                 except Exception as exc:
                     traceback.print_exc()
                     res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -1435,7 +1458,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="leave out the _nozero variants")
     ap.add_argument("--trace-dir", default="",
                     help="also write gated timelines of the MLP 784 and gpt_text steps here")
+    ap.add_argument("--profile-dir", default="",
+                    help="after each timed whole-step variant (streamsched's step captures and the strongest peers), "
+                         "profile 20 more steps with CUPTI and write the per-kernel table to DIR/<model>_<variant>.json "
+                         "(benchmarks/kernel_profile.py)")
     args = ap.parse_args()
+    if args.profile_dir:
+        os.environ[PROFILE_ENV] = os.path.abspath(args.profile_dir)  # the peer processes inherit it
     args.compile_spent = 0.0
     if args.compile_budget <= 0:
         args.compile_spent = 1.0  # torch_compile (reduce-overhead) skipped: its budget is spent

@@ -71,6 +71,26 @@ CASES = [
     ("attn_grad_v", [_probs(4, 4, 64), _f(256, 48)], {}, False),
     ("attn_grad_q", [_f(4, 4, 64, 64), _f(256, 48)], {}, False),
     ("attn_grad_k", [_f(4, 4, 64, 64), _f(256, 48)], {}, False),
+    # fused attention: K, V staged in shared memory (the first four), read through the cache
+    # (t = 200, dh = 64: past _ATTN_SMEM); t = 70 is not a multiple of the warp
+    ("attn_fused", [_f(256, 48), _f(256, 48), _f(256, 48)], {"heads": 4, "context": 64}, False),
+    ("attn_fused", [_f(96, 24, dt=np.float64)] * 3, {"heads": 3, "context": 32, "causal": False}, False),
+    ("attn_fused", [_f(128, 64, dt=np.float16), _f(128, 64, dt=np.float16), _f(128, 64, dt=np.float16)],
+     {"heads": 2, "context": 64}, False),
+    ("attn_fused", [_f(140, 20), _f(140, 20), _f(140, 20)], {"heads": 5, "context": 70}, False),
+    ("attn_fused", [_f(400, 128), _f(400, 128), _f(400, 128)], {"heads": 2, "context": 200}, False),
+    ("attn_fused_grad", [_f(256, 48), _f(256, 48), _f(256, 48), _f(256, 48), _probs(4, 4, 64)],
+     {"heads": 4, "context": 64}, False),
+    ("attn_fused_grad", [_f(96, 24, dt=np.float64), _f(96, 24, dt=np.float64), _f(96, 24, dt=np.float64),
+                         _f(96, 24, dt=np.float64), _probs(3, 3, 32, dt=np.float64)],
+     {"heads": 3, "context": 32}, False),
+    ("attn_fused_grad", [_f(128, 64, dt=np.float16), _f(128, 64, dt=np.float16), _f(128, 64, dt=np.float16),
+                         _f(128, 64, dt=np.float16), _probs(2, 2, 64, dt=np.float16)],
+     {"heads": 2, "context": 64}, False),
+    ("attn_fused_grad", [_f(140, 20), _f(140, 20), _f(140, 20), _f(140, 20), _probs(2, 5, 70)],
+     {"heads": 5, "context": 70}, False),
+    ("attn_fused_grad", [_f(400, 128), _f(400, 128), _f(400, 128), _f(400, 128), _probs(2, 2, 200)],
+     {"heads": 2, "context": 200}, False),
     ("adamw_step", [_f(300), _f(300), _f(300, scale=0.1), np.abs(_f(300)), _s(1e-3), _s(3.0)],
      {"weight_decay": 0.1}, False),
     ("grad_sumsq", [_f(100000), _s(2.0)], {}, False),
@@ -220,3 +240,67 @@ def test_captured_attention_step_allocates_nothing_and_replays_like_eager(cp, ct
         st.synchronize()
         for got, want in zip(outs, eager):
             assert cp.asnumpy(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0].startswith("attn_fused")],
+                         ids=lambda i: f"{i}-{CASES[i][0]}")
+def test_fused_attention_read_through_the_cache_matches_numpy(cp, ctx, case, monkeypatch):
+    """The SS_STAGED 0 kernels (what runs past 48 KiB of shared memory) on every fused case."""
+    monkeypatch.setattr(kt, "_ATTN_SMEM", 0)
+    name, ins, attrs, exact = CASES[case]
+    _compare(_device(cp, ctx, name, ins, attrs), _numpy(name, ins, attrs), exact, name)
+
+
+def test_fused_attention_is_close_to_the_unfused_kernels_on_the_device(cp, ctx):
+    """attn_fused / attn_fused_grad against attn_scores, softmax, attn_apply and the five
+    backward kernels, all on the GPU (an oracle that shares no code with the fused kernels)."""
+    at = {"heads": 4, "context": 64}
+    q, k, v, dy = (_f(256, 48) for _ in range(4))
+    s = _device(cp, ctx, "attn_scores", [q, k], at)[0]
+    p = _device(cp, ctx, "softmax", [s], {})[0]
+    y = _device(cp, ctx, "attn_apply", [p, v], {})[0]
+    fy, fp = _device(cp, ctx, "attn_fused", [q, k, v], at)
+    _compare([fy, fp], [y, p], False, "attn_fused")
+    dv = _device(cp, ctx, "attn_grad_v", [p, dy], {})[0]
+    dp = _device(cp, ctx, "attn_grad_p", [dy, v], at)[0]
+    ds = _device(cp, ctx, "softmax_grad", [dp, p], {})[0]
+    dq = _device(cp, ctx, "attn_grad_q", [ds, k], {})[0]
+    dk = _device(cp, ctx, "attn_grad_k", [ds, q], {})[0]
+    _compare(_device(cp, ctx, "attn_fused_grad", [dy, q, k, v, p], at), [dq, dk, dv], False, "attn_fused_grad")
+
+
+def test_captured_fused_attention_allocates_nothing_and_replays_like_eager(cp, ctx):
+    from streamsched.interp.cuda import graph_nodes_edges
+    from streamsched.stdlib.kernels import CUDA_KERNELS as K
+
+    at = {"heads": 4, "context": 64, "causal": True}
+    q, k, v, do = (cp.asarray(_f(256, 48)) for _ in range(4))
+    p = cp.zeros((4, 4, 64, 64), cp.float32)
+    y, dq, dk, dv = (cp.zeros((256, 48), cp.float32) for _ in range(4))
+
+    def step():
+        K["attn_fused"](ctx, "s0", [q, k, v], [y, p], at)
+        K["attn_fused_grad"](ctx, "s0", [do, q, k, v, p], [dq, dk, dv], {"heads": 4, "context": 64})
+
+    step()
+    ctx.synchronize()
+    outs = (y, p, dq, dk, dv)
+    eager = [cp.asnumpy(a) for a in outs]
+    for a in outs:
+        a.fill(0)
+    cp.cuda.runtime.deviceSynchronize()
+    st = ctx.streams["s0"]
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        st.begin_capture()
+        try:
+            step()
+        finally:
+            graph = st.end_capture()
+    assert pool.used_bytes() == 0
+    types, _ = graph_nodes_edges(graph)
+    assert types.count("Kernel") == 2, types
+    graph.launch(st)
+    st.synchronize()
+    for got, want in zip(outs, eager):
+        assert cp.asnumpy(got).tobytes() == want.tobytes()

@@ -2,8 +2,8 @@
 (tests/gpt_reference.py) on the very batches the run drew, its whole backward pass (every fork,
 every fan-out sum) is the gradient of that GPT by central finite differences, clipping by global
 norm scales every gradient by one factor to the global norm asked, and the step forks as the
-issue asks (the Q, K, V GEMMs independent, attention's dq, dk, dv and layer norm's dgamma, dbeta,
-dx on three streams each); attention written as its three pieces with dropout on the
+issue asks (the Q, K, V GEMMs independent, attention one fused launch each way, layer norm's
+dgamma, dbeta, dx on three streams; attention in pieces forks its backward); attention written as its three pieces with dropout on the
 probabilities trains as the fused op at p = 0 and evaluates without dropout.  A slow test (`pytest -m slow`) trains the example for its configured
 run and compares its test bits per byte with a byte-bigram model counted here."""
 
@@ -209,10 +209,9 @@ def test_the_step_forks_as_a_transformer_step_should():
         proj = [one(f"linear@{x}{i}") for x in "qkv"]
         assert {t.kernel for t in proj} == {"matmul"} and len({t.stream for t in proj}) == 3
         assert not any(b.id in reach[a.id] for a in proj for b in proj)
-        # attention's backward: dq, dk, dv on three streams; dv is not ordered before dq or dk
-        grads = [one(f"attention.backward@a{i}.{o}") for o in ("dq", "dk", "dv")]
-        assert len({t.stream for t in grads}) == 3
-        assert not any(g.id in reach[grads[2].id] for g in grads[:2])
+        # attention: one fused launch forward (y and p), one backward (dq, dk and dv)
+        fwd, bwd = one(f"attention@a{i}.y"), one(f"attention.backward@a{i}.dq")
+        assert (fwd.kernel, bwd.kernel) == ("attn_fused", "attn_fused_grad") and len(bwd.outs) == 3
         for ln in (f"n{i}", f"m{i}"):  # layer norm's backward: dx, dgamma, dbeta on three streams
             parts = [one(f"layernorm.backward@{ln}.{o}") for o in ("dx", "dgamma", "dbeta")]
             assert len({t.stream for t in parts}) == 3
@@ -289,6 +288,23 @@ def test_attention_in_pieces_with_dropout_on_the_probabilities(tmp_path):
     z = np.concatenate([gpt_logits(p, ds16.x_test[i:i + 256], heads=2) for i in range(0, len(ds16.x_test), 256)])
     want = cross_entropy_sum(z, ds16.y_test.reshape(-1)) / ds16.y_test.size
     assert r.history[0]["test_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_attention_in_pieces_forks_its_backward(tmp_path):
+    """Written as its three ops, attention's backward forks: dv (comp2) beside dp (comp1), then
+    dk (comp1) beside dq (comp3), neither of a pair ordered after the other."""
+    c = _pieces(tmp_path, 0.0, "pieces.sched")
+    tasks = c.schedule.tasks
+    reach = _reaches(c.edges, len(tasks))
+
+    def one(label):
+        (t,) = [t for t in tasks if t.step == 0 and t.label == f"pass[a]: {label}"]
+        return t
+
+    for pair in (("attention_apply.backward@a1.dv", "attention_apply.backward@a1.dp"),
+                 ("attention_scores.backward@s1.dk", "attention_scores.backward@s1.dq")):
+        a, b = (one(x) for x in pair)
+        assert a.stream != b.stream and a.id not in reach[b.id] and b.id not in reach[a.id], pair
 
 
 def test_attention_needs_its_heads_and_context(tmp_path):

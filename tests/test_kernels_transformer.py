@@ -42,7 +42,7 @@ def _loss(out, r):
 
 def test_every_transformer_kernel_is_registered_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
-    assert len(kt.TRANSFORMER_KERNELS) == 19
+    assert len(kt.TRANSFORMER_KERNELS) == 21
     for name in kt.TRANSFORMER_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host and k.capturable, name
@@ -270,6 +270,50 @@ def test_each_attention_kernel_alone_matches_finite_differences():
     close(run1("attn_grad_v", [p, r]), num_grad(f_o, v))
 
 
+@pytest.mark.parametrize("dt", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("heads,t,causal", [(2, 3, True), (1, 4, True), (3, 2, False), (2, 5, True)])
+def test_fused_attention_is_its_three_kernels_bitwise(heads, t, causal, dt):
+    """attn_fused = attn_scores, softmax, attn_apply (the scores and probabilities rounded to the
+    dtype as those write them), bitwise, and the per-head loop within rounding."""
+    n, d = 2 * t, 6
+    q, k, v = (_f(n, d, seed=i).astype(dt) for i in range(3))
+    at = {"heads": heads, "context": t, "causal": causal}
+    y, p = run("attn_fused", [q, k, v], at)
+    want_p = run1("softmax", [run1("attn_scores", [q, k], at)])
+    assert p.dtype == y.dtype == dt and p.tobytes() == want_p.tobytes()
+    assert y.tobytes() == run1("attn_apply", [want_p, v]).tobytes()
+    ref_o, ref_p = attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), heads, t, causal)
+    tol = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-2}[dt]
+    close(p.astype(np.float64), ref_p, tol)
+    close(y.astype(np.float64), ref_o, tol)
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32, np.float16])
+def test_fused_attention_grad_is_its_five_kernels_bitwise(dt):
+    heads, t, n, d = 2, 4, 8, 6
+    dy, q, k, v = (_f(n, d, seed=i).astype(dt) for i in range(4))
+    at = {"heads": heads, "context": t}
+    p = run1("softmax", [run1("attn_scores", [q, k], at)])
+    dq, dk, dv = run("attn_fused_grad", [dy, q, k, v, p], at)
+    ds = run1("softmax_grad", [run1("attn_grad_p", [dy, v], at), p])
+    assert dq.tobytes() == run1("attn_grad_q", [ds, k]).tobytes()
+    assert dk.tobytes() == run1("attn_grad_k", [ds, q]).tobytes()
+    assert dv.tobytes() == run1("attn_grad_v", [p, dy]).tobytes()
+
+
+def test_fused_attention_grad_matches_finite_differences():
+    heads, t, n, d = 2, 3, 6, 4
+    q, k, v = _f(n, d), _f(n, d, seed=1), _f(n, d, seed=2)
+    r = _f(n, d, seed=3)
+    at = {"heads": heads, "context": t}
+    f = lambda: _loss(run("attn_fused", [q, k, v], at)[0], r)  # noqa: E731
+    p = run("attn_fused", [q, k, v], at)[1]
+    dq, dk, dv = run("attn_fused_grad", [r, q, k, v, p], at)
+    close(dq, num_grad(f, q), 1e-6)
+    close(dk, num_grad(f, k), 1e-6)
+    close(dv, num_grad(f, v), 1e-6)
+
+
 def test_token_labels_of_any_shape_give_the_flat_cross_entropy():
     logits = _f(6, 5)
     labels = np.array([[0, 4, 1], [2, 2, 3]], np.int32)
@@ -369,6 +413,9 @@ SAMPLES = {  # a valid float64 call of every kernel here
     "attn_grad_v": ([_P, _f(6, 4)], {}),
     "attn_grad_q": ([_P, _f(6, 4)], {}),
     "attn_grad_k": ([_P, _f(6, 4)], {}),
+    "attn_fused": ([_f(6, 4), _f(6, 4, seed=1), _f(6, 4, seed=2)], {"heads": 2, "context": 3}),
+    "attn_fused_grad": ([_f(6, 4), _f(6, 4, seed=1), _f(6, 4, seed=2), _f(6, 4, seed=3), _P],
+                        {"heads": 2, "context": 3}),
     "adamw_step": ([_f(3, 4), _f(3, 4, seed=1), _f(3, 4, seed=2), np.abs(_f(3, 4, seed=3)), np.array(0.1),
                     np.array(3.0)], {}),
     "grad_sumsq": ([_f(3, 4), np.array(2.0)], {}),

@@ -576,6 +576,96 @@ ds: [b, heads, t, t], q: [b*t, d], one float dtype -> dk: [b*t, d].
 
 
 # --------------------------------------------------------------------------------------------
+# Fused attention: the five kernels above in one forward and one backward launch
+
+
+def _attn_fused_infer(k, names, t, at):
+    _flag(k, at, "causal")
+    (s, dt), = _qk_infer(k, names, t[:2], at)
+    _same_shape(k, t, names, (0, 1, 2))
+    return [(t[0][0], _floats(k, t, names, (0, 1, 2))), (s, dt)]
+
+
+def _tmp(shape, dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+def _attn_fused_cpu(ins, outs, at):
+    q, kk, v = ins
+    y, p = outs
+    s = _tmp(p.shape, p.dtype)  # the scores, in the output dtype, as attn_scores writes them
+    _scores_cpu([q, kk], [s], at)
+    pp = _tmp(p.shape, p.dtype)
+    _softmax_cpu([s], [pp], at)
+    yy = _tmp(y.shape, y.dtype)
+    _apply_cpu([pp, v], [yy], at)
+    p[...] = pp
+    y[...] = yy
+
+
+_register("attn_fused", "q k v", "y p", _attn_fused_infer, _attn_fused_cpu,
+          {"heads": None, "context": None, "causal": True}, inplace=False, doc="""
+Causal multi-head scaled dot-product attention in one launch (Vaswani et al., 2017):
+p = softmax(attn_scores(q, k)) and y = attn_apply(p, v), per sequence b and head h, with the
+values each of those kernels writes (the scores and probabilities rounded to the output dtype):
+on the CPU it *is* attn_scores, softmax and attn_apply in turn.  q, k, v: [n, d], one float
+dtype, n = b * context -> y: [n, d], p: [b, heads, context, context] (kept for the backward).
+heads, context (required); causal=true.  On the GPU: one block per sequence, head and 8 query
+rows (a warp each), K and V of the head staged in shared memory when they fit in 48 KiB (else a
+slower kernel of any size reads them through the L1 cache); the scores never leave the block.
+""",
+          row=DocRow("q, k, v [n,d] -> y [n,d], p [b,heads,t,t]", "comp1",
+                     "p = softmax(q_h k_h^T / sqrt(dh), causal), y_h = p v_h, in one launch",
+                     required=("heads", "context")))
+
+
+def _attn_fused_grad_infer(k, names, t, at):
+    _rank2(k, t, names, 0, "[n, d] (n = b * t rows)")
+    _same_shape(k, t, names, (0, 1, 2, 3))
+    n, d = _rows_fit(k, t, names, 4, 0)
+    b, h, s = _probs(k, t, names, 4)
+    if _heads_of(k, at, d, 0) != h or _seq_of(k, at, n, 0) != s:
+        raise KernelTypeError(f"{k}: p {_fmt(t[4][0])} does not match heads = {at['heads']}, "
+                              f"context = {at['context']}", arg=4)
+    dt = _floats(k, t, names, (0, 1, 2, 3, 4))
+    return [((n, d), dt)] * 3
+
+
+def _attn_fused_grad_cpu(ins, outs, at):
+    dy, q, kk, v, p = ins
+    dq, dk, dv = outs
+    dvv = _tmp(dv.shape, dv.dtype)
+    _grad_v_cpu([p, dy], [dvv], at)
+    dp = _tmp(p.shape, dq.dtype)
+    _grad_p_cpu([dy, v], [dp], at)
+    ds = _tmp(p.shape, dq.dtype)
+    _softmax_grad_cpu([dp, p], [ds], at)
+    dkk = _tmp(dk.shape, dk.dtype)
+    _grad_k_cpu([ds, q], [dkk], at)
+    dqq = _tmp(dq.shape, dq.dtype)
+    _grad_q_cpu([ds, kk], [dqq], at)
+    dq[...] = dqq
+    dk[...] = dkk
+    dv[...] = dvv
+
+
+_register("attn_fused_grad", "dy q k v p", "dq dk dv", _attn_fused_grad_infer, _attn_fused_grad_cpu,
+          {"heads": None, "context": None}, inplace=False, doc="""
+The gradient of attn_fused in one launch: dv = attn_grad_v(p, dy), dp = attn_grad_p(dy, v),
+ds = softmax_grad(dp, p), dk = attn_grad_k(ds, q), dq = attn_grad_q(ds, k), with the values
+each of those kernels writes (dp and ds rounded to the output dtype); on the CPU it is those
+five kernels in turn.  dy, q, k, v: [n, d], p: [b, heads, context, context] (attn_fused's),
+one float dtype -> dq, dk, dv: [n, d].  heads, context (required).  On the GPU: one block per
+sequence, head and 8 rows (a warp each), the head's dy, q, k, v and p staged in shared memory
+when they fit in 48 KiB (else a slower kernel of any size); each block computes sum_j p dp of
+every row, then dq of its rows and dk, dv of its columns, recomputing dp rather than storing it.
+""",
+          row=DocRow("dy, q, k, v [n,d], p -> dq, dk, dv [n,d]", "comp3",
+                     "attn_fused's gradient in one launch (dv, dp, softmax_grad, dk, dq)",
+                     required=("heads", "context")))
+
+
+# --------------------------------------------------------------------------------------------
 # AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
 
 
@@ -948,6 +1038,304 @@ extern "C" __global__ void ss_causal_mask(X_t* s, long long size, int t) {
     }
 }
 """
+
+# Fused attention (attn_fused, attn_fused_grad).  The head slice of sequence b, head h in a flat
+# [n, d] array: element (r, c) at base + r * d + c, base = b * t * d + h * dh.  Two variants:
+#   fast (_ATTN_FAST): the head's slices copied into shared memory (rows padded to dh + 1, so
+#     lanes reading one column of consecutive rows hit distinct banks), one warp per query row
+#     (forward) or per row and column (backward), 8 warps a block; taken when its shared memory
+#     fits _ATTN_SMEM;
+#   global (_ATTN_GLOBAL): any size: the slices read through the L1 cache, each row's scores in
+#     p itself, per-lane register arrays of SS_MAXJ = ceil(t / 32) entries.
+# Every product is an FMA; the scores and probabilities (forward), dp and ds (backward) are
+# rounded to X_t where the unfused kernels write them, so f16 takes the same roundings; the sums
+# over a row run in double, as ss_softmax and ss_softmax_grad do; every sum runs over all t
+# entries (masked ones are 0), as the unfused GEMMs do.
+_ATTN_COMMON = r"""
+__device__ __forceinline__ float ss_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double ss_fma(double a, double b, double c) { return __fma_rn(a, b, c); }
+__device__ __forceinline__ A_t ss_round(A_t v) { X_t x; ss_put(&x, v); return SS_LD(x); }
+__device__ __forceinline__ A_t ss_warp_add(A_t v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#define SS_HEAD_OF_BLOCK int bh = blockIdx.x, b = bh / heads, h = bh - b * heads; \
+    long long base = (long long)b * t * d + (long long)h * dh; \
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+"""
+
+_ATTN_FAST = r"""
+#define SS_STAGE(dst, src, rows) for (int e = threadIdx.x; e < (rows) * dh; e += blockDim.x) { \
+        int r_ = e / dh, c_ = e - r_ * dh; dst[r_ * ld + c_] = SS_LD(src[base + (long long)r_ * d + c_]); }
+
+// y, p = attention(q, k, v): grid (b * heads, ceil(t / warps)); warp w takes query row
+// i = blockIdx.y * warps + w: lanes over keys j compute s_ij = q_i . k_j * scale (-inf past i
+// when causal) into the warp's row buffer, the row's max and sum, p_ij; then lanes over columns
+// c compute y_ic = sum_j p_ij v_jc.  Shared: K, V [t, dh + 1], per warp q_i [dh] and the row [t].
+extern "C" __global__ void ss_attn_fwd(const X_t* q, const X_t* k, const X_t* v, X_t* y, X_t* p,
+        int heads, int t, int d, int dh, A_t scale, int causal) {
+    extern __shared__ unsigned char ss_sm[];
+    SS_HEAD_OF_BLOCK
+    int ld = dh + 1;
+    A_t* ks = (A_t*)ss_sm;
+    A_t* vs = ks + t * ld;
+    A_t* qi = vs + t * ld + warp * (dh + t);
+    A_t* row = qi + dh;
+    int i = blockIdx.y * nw + warp;
+    SS_STAGE(ks, k, t)
+    SS_STAGE(vs, v, t)
+    if (i < t) for (int c = lane; c < dh; c += 32) qi[c] = SS_LD(q[base + (long long)i * d + c]);
+    __syncthreads();
+    if (i >= t) return;
+    A_t m = -(A_t)SS_INF;
+    for (int j = lane; j < t; j += 32) {
+        A_t sc = -(A_t)SS_INF;
+        if (!causal || j <= i) {
+            A_t acc = 0;
+            const A_t* kj = ks + j * ld;
+#pragma unroll 8
+            for (int c = 0; c < dh; ++c) acc = ss_fma(qi[c], kj[c], acc);
+            sc = ss_round(acc * scale);
+        }
+        row[j] = sc;
+        m = ss_nmax(m, sc);
+    }
+    m = ss_warp_max(m);
+    double sum = 0.0;
+    for (int j = lane; j < t; j += 32) sum += (double)ss_e(row[j] - m);
+    sum = ss_warp_sum(sum);
+    A_t den = (A_t)sum;
+    X_t* pi = p + ((long long)bh * t + i) * t;
+    for (int j = lane; j < t; j += 32) {
+        A_t pv = ss_round(ss_e(row[j] - m) / den);
+        row[j] = pv;
+        ss_put(pi + j, pv);
+    }
+    __syncwarp();
+    for (int c = lane; c < dh; c += 32) {
+        A_t acc = 0;
+#pragma unroll 8
+        for (int j = 0; j < t; ++j) acc = ss_fma(row[j], vs[j * ld + c], acc);
+        ss_put(y + base + (long long)i * d + c, acc);
+    }
+}
+
+// dq, dk, dv of attention: grid (b * heads, ceil(t / warps)).  Every block first computes
+// dot_i = sum_j p_ij dp_ij (dp_ij = dy_i . v_j) of all t rows; then warp w takes r = blockIdx.y
+// * warps + w: ds_rj (its row) and ds_ir (its column) into the warp's buffers, with
+// ds_ij = p_ij (dp_ij - dot_i), then lanes over columns c: dq_rc = scale sum_j ds_rj k_jc,
+// dk_rc = scale sum_i ds_ir q_ic, dv_rc = sum_i p_ir dy_ic.  Shared: dot [t]; dy, q, k, v
+// [t, dh + 1]; p [t, t + 1]; per warp two [t] buffers.
+extern "C" __global__ void ss_attn_bwd(const X_t* dy, const X_t* q, const X_t* k, const X_t* v,
+        const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale) {
+    extern __shared__ unsigned char ss_sm[];
+    SS_HEAD_OF_BLOCK
+    int ld = dh + 1;
+    A_t* dot = (A_t*)ss_sm;
+    A_t* dys = dot + t;
+    A_t* qs = dys + t * ld;
+    A_t* ks = qs + t * ld;
+    A_t* vs = ks + t * ld;
+    A_t* ps = vs + t * ld;
+    A_t* dsr = ps + t * (t + 1) + warp * 2 * t;
+    A_t* dsc = dsr + t;
+    SS_STAGE(dys, dy, t)
+    SS_STAGE(qs, q, t)
+    SS_STAGE(ks, k, t)
+    SS_STAGE(vs, v, t)
+    const X_t* pb = p + (long long)bh * t * t;
+    for (int e = threadIdx.x; e < t * t; e += blockDim.x) {
+        int r_ = e / t;
+        ps[r_ * (t + 1) + (e - r_ * t)] = SS_LD(pb[e]);
+    }
+    __syncthreads();
+    for (int i = warp; i < t; i += nw) {
+        double sd = 0.0;
+        const A_t* dyi = dys + i * ld;
+        for (int j = lane; j < t; j += 32) {
+            A_t dp = 0;
+            const A_t* vj = vs + j * ld;
+#pragma unroll 8
+            for (int c = 0; c < dh; ++c) dp = ss_fma(dyi[c], vj[c], dp);
+            sd += (double)(ss_round(dp) * ps[i * (t + 1) + j]);
+        }
+        sd = ss_warp_sum(sd);
+        if (lane == 0) dot[i] = (A_t)sd;
+    }
+    __syncthreads();
+    int r = blockIdx.y * nw + warp;
+    if (r >= t) return;
+    const A_t* dyr = dys + r * ld;
+    const A_t* vr = vs + r * ld;
+    for (int j = lane; j < t; j += 32) {
+        A_t dp = 0;
+        const A_t* vj = vs + j * ld;
+#pragma unroll 8
+        for (int c = 0; c < dh; ++c) dp = ss_fma(dyr[c], vj[c], dp);
+        dsr[j] = ss_round(ps[r * (t + 1) + j] * (ss_round(dp) - dot[r]));
+    }
+    for (int i = lane; i < t; i += 32) {
+        A_t dp = 0;
+        const A_t* dyi = dys + i * ld;
+#pragma unroll 8
+        for (int c = 0; c < dh; ++c) dp = ss_fma(dyi[c], vr[c], dp);
+        dsc[i] = ss_round(ps[i * (t + 1) + r] * (ss_round(dp) - dot[i]));
+    }
+    __syncwarp();
+    for (int c = lane; c < dh; c += 32) {
+        A_t aq = 0, ak = 0, av = 0;
+#pragma unroll 4
+        for (int j = 0; j < t; ++j) {
+            aq = ss_fma(dsr[j], ks[j * ld + c], aq);
+            ak = ss_fma(dsc[j], qs[j * ld + c], ak);
+            av = ss_fma(ps[j * (t + 1) + r], dys[j * ld + c], av);
+        }
+        ss_put(dq + base + (long long)r * d + c, aq * scale);
+        ss_put(dk + base + (long long)r * d + c, ak * scale);
+        ss_put(dv + base + (long long)r * d + c, av);
+    }
+}
+"""
+
+_ATTN_GLOBAL = r"""
+#define SS_AT(a, r, c) SS_LD(a[base + (long long)(r) * d + (c)])
+
+// The forward of any size: grid (b * heads, ceil(t / rows)), warps taking rows i in turn, the
+// row's scores and probabilities kept in p's row i.
+extern "C" __global__ void ss_attn_fwd_global(const X_t* q, const X_t* k, const X_t* v, X_t* y, X_t* p,
+        int heads, int t, int d, int dh, A_t scale, int causal, int rows) {
+    SS_HEAD_OF_BLOCK
+    int i1 = min(t, (int)(blockIdx.y + 1) * rows);
+    for (int i = blockIdx.y * rows + warp; i < i1; i += nw) {
+        const X_t* qi = q + base + (long long)i * d;
+        X_t* pi = p + ((long long)bh * t + i) * t;
+        A_t m = -(A_t)SS_INF;
+        for (int j = lane; j < t; j += 32) {
+            A_t sc = -(A_t)SS_INF;
+            if (!causal || j <= i) {
+                A_t acc = 0;
+                for (int c = 0; c < dh; ++c) acc = ss_fma(SS_LD(qi[c]), SS_AT(k, j, c), acc);
+                sc = ss_round(acc * scale);
+            }
+            ss_put(pi + j, sc);
+            m = ss_nmax(m, sc);
+        }
+        m = ss_warp_max(m);
+        double sum = 0.0;
+        for (int j = lane; j < t; j += 32) sum += (double)ss_e(SS_LD(pi[j]) - m);
+        sum = ss_warp_sum(sum);
+        A_t den = (A_t)sum;
+        for (int j = lane; j < t; j += 32) ss_put(pi + j, ss_round(ss_e(SS_LD(pi[j]) - m) / den));
+        __syncwarp();
+        for (int c = lane; c < dh; c += 32) {
+            A_t acc = 0;
+            for (int j = 0; j < t; ++j) acc = ss_fma(SS_LD(pi[j]), SS_AT(v, j, c), acc);
+            ss_put(y + base + (long long)i * d + c, acc);
+        }
+        __syncwarp();
+    }
+}
+
+// The backward of any size: grid (b * heads, ceil(t / rows)); every block computes dot_i of all
+// rows (shared: dot [t]), then dq of its rows and dk, dv of its columns, each output column a
+// warp sum over the lanes' register arrays of ds (and p).
+extern "C" __global__ void ss_attn_bwd_global(const X_t* dy, const X_t* q, const X_t* k, const X_t* v,
+        const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale, int rows) {
+    extern __shared__ unsigned char ss_sm[];
+    SS_HEAD_OF_BLOCK
+    A_t* dot = (A_t*)ss_sm;
+    const X_t* pb = p + (long long)bh * t * t;
+    for (int i = warp; i < t; i += nw) {
+        double sd = 0.0;
+        for (int j = lane; j < t; j += 32) {
+            A_t dp = 0;
+            for (int c = 0; c < dh; ++c) dp = ss_fma(SS_AT(dy, i, c), SS_AT(v, j, c), dp);
+            sd += (double)(ss_round(dp) * SS_LD(pb[(long long)i * t + j]));
+        }
+        sd = ss_warp_sum(sd);
+        if (lane == 0) dot[i] = (A_t)sd;
+    }
+    __syncthreads();
+    int r0 = blockIdx.y * rows, r1 = min(t, r0 + rows);
+    for (int i = r0 + warp; i < r1; i += nw) {
+        A_t ds[SS_MAXJ];
+        int nj = 0;
+        for (int j = lane; j < t; j += 32, ++nj) {
+            A_t dp = 0;
+            for (int c = 0; c < dh; ++c) dp = ss_fma(SS_AT(dy, i, c), SS_AT(v, j, c), dp);
+            ds[nj] = ss_round(SS_LD(pb[(long long)i * t + j]) * (ss_round(dp) - dot[i]));
+        }
+        for (int c = 0; c < dh; ++c) {
+            A_t acc = 0;
+            nj = 0;
+            for (int j = lane; j < t; j += 32, ++nj) acc = ss_fma(ds[nj], SS_AT(k, j, c), acc);
+            acc = ss_warp_add(acc);
+            if (lane == (c & 31)) ss_put(dq + base + (long long)i * d + c, acc * scale);
+        }
+    }
+    for (int j = r0 + warp; j < r1; j += nw) {
+        A_t ds[SS_MAXJ], pj[SS_MAXJ];
+        int ni = 0;
+        for (int i = lane; i < t; i += 32, ++ni) {
+            A_t dp = 0;
+            for (int c = 0; c < dh; ++c) dp = ss_fma(SS_AT(dy, i, c), SS_AT(v, j, c), dp);
+            pj[ni] = SS_LD(pb[(long long)i * t + j]);
+            ds[ni] = ss_round(pj[ni] * (ss_round(dp) - dot[i]));
+        }
+        for (int c = 0; c < dh; ++c) {
+            A_t ak = 0, av = 0;
+            ni = 0;
+            for (int i = lane; i < t; i += 32, ++ni) {
+                ak = ss_fma(ds[ni], SS_AT(q, i, c), ak);
+                av = ss_fma(pj[ni], SS_AT(dy, i, c), av);
+            }
+            ak = ss_warp_add(ak);
+            av = ss_warp_add(av);
+            if (lane == (c & 31)) {
+                ss_put(dk + base + (long long)j * d + c, ak * scale);
+                ss_put(dv + base + (long long)j * d + c, av);
+            }
+        }
+    }
+}
+"""
+
+_ATTN_SMEM = 48 * 1024
+"""Bytes of dynamic shared memory the fast fused-attention kernels may take (the limit without an
+opt-in); past it the global ones run (tests lower it to reach them)."""
+
+_ATTN_WARPS = 8  # warps per block of the fast kernels: one query row (and column) each
+_ATTN_ROWS = 16  # rows (and columns) per block of the global kernels, 4 warps
+_ATTN_GWARPS = 4
+
+
+def _attn_fn(name: str, fast: bool, t: int, x_dtype, a_dtype):
+    """`name` (ss_attn_fwd / ss_attn_bwd) of the fast or the global fused-attention source,
+    compiled for the typedefs X_t, A_t (and, for the global one, SS_MAXJ = ceil(t / 32): its
+    per-lane register arrays); module and function cached by all of those."""
+    import cupy as cp
+
+    k = _kernels()
+    maxj = 0 if fast else max(1, -(-int(t) // 32))
+    tkey = (("A_t", str(a_dtype)), ("X_t", str(x_dtype)))
+    fkey = ("attn", fast, maxj, tkey, name)
+    f = k["_fn"].get(fkey)
+    if f is not None:
+        return f
+    for _, dt in tkey:
+        if dt not in ("float16", "float32", "float64"):
+            raise NotImplementedError(f"attention: dtype {dt} is not supported on the device")
+    mkey = ("attn", fast, maxj, tkey)
+    mod = k["_raw"].get(mkey)
+    if mod is None:
+        head = "#include <cuda_fp16.h>\n#define SS_HALF 1\n" if "float16" in (str(x_dtype), str(a_dtype)) else ""
+        head += _HEAD + "".join(f"typedef {_CNN_CT[d]} {n};\n" for n, d in tkey) + f"#define SS_MAXJ {maxj}\n"
+        body = _ATTN_FAST if fast else _ATTN_GLOBAL
+        mod = cp.RawModule(code=head + _CNN_PRE + _ROW_PRE + _ATTN_COMMON + body,
+                           options=("-std=c++17", "--fmad=false"))
+        k["_raw"][mkey] = mod
+    f = k["_fn"][fkey] = mod.get_function(name if fast else name + "_global")
+    return f
 
 _SRC["clip"] = r"""
 // sumsq = sumsq + sum(g^2): one block, thread t adds i = t, t + SS_B, ... in double, a fixed tree.
@@ -1376,3 +1764,49 @@ def scale_grad_cuda(ctx, stream, ins, outs, attrs):
     f = _fn("clip", "ss_scale_grad", X_t=g.dtype, S_t=scale.dtype, A_t=_acc_of(g.dtype))
     _go(ctx, stream, f, _grid(out.size), (g, scale, out, np.int64(out.size)))
 
+
+def attn_fused_cuda(ctx, stream, ins, outs, attrs):
+    """y, p = softmax(q_h k_h^T / sqrt(dh), causal) v_h in one launch (ss_attn_fwd)."""
+    np = _np()
+    q, k, v = ins
+    y, p = outs
+    _checked("attn_fused", ins, outs)
+    heads, t = int(attrs["heads"]), int(attrs["context"])
+    b, n, d, dh = _flat_dims(q, heads, t)
+    if y.size == 0 or p.size == 0:
+        return
+    acc = np.dtype(_acc_of(q.dtype))
+    args = (q, k, v, y, p, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh), acc.type(_scale_of(d, heads)),
+            np.int32(bool(attrs.get("causal", True))))
+    smem = (2 * t * (dh + 1) + _ATTN_WARPS * (dh + t)) * acc.itemsize
+    fast = smem <= _ATTN_SMEM
+    f = _attn_fn("ss_attn_fwd", fast, t, q.dtype, acc)
+    with _stream(ctx, stream):
+        if fast:
+            f((b * heads, -(-t // _ATTN_WARPS)), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        else:
+            f((b * heads, -(-t // _ATTN_ROWS)), (32 * _ATTN_GWARPS,), args + (np.int32(_ATTN_ROWS),))
+
+
+def attn_fused_grad_cuda(ctx, stream, ins, outs, attrs):
+    """dq, dk, dv of attn_fused in one launch (ss_attn_bwd)."""
+    np = _np()
+    dy, q, k, v, p = ins
+    dq, dk, dv = outs
+    _checked("attn_fused_grad", ins, outs)
+    heads, t = int(attrs["heads"]), int(attrs["context"])
+    b, n, d, dh = _flat_dims(q, heads, t)
+    if dq.size == 0:
+        return
+    acc = np.dtype(_acc_of(q.dtype))
+    args = (dy, q, k, v, p, dq, dk, dv, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh),
+            acc.type(_scale_of(d, heads)))
+    smem = (t + 4 * t * (dh + 1) + t * (t + 1) + _ATTN_WARPS * 2 * t) * acc.itemsize
+    fast = smem <= _ATTN_SMEM
+    f = _attn_fn("ss_attn_bwd", fast, t, q.dtype, acc)
+    with _stream(ctx, stream):
+        if fast:
+            f((b * heads, -(-t // _ATTN_WARPS)), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        else:
+            f((b * heads, -(-t // _ATTN_ROWS)), (32 * _ATTN_GWARPS,), args + (np.int32(_ATTN_ROWS),),
+              shared_mem=t * acc.itemsize)
