@@ -797,7 +797,7 @@ def _peer_main(argv: list[str]) -> None:
             time.sleep(0.1)
         res.update(time_torch(g.replay, a))
         if profile_dir():
-            t = kernel_profile(g.replay, PROFILE_STEPS, os.path.join(profile_dir(), f"{meta.get('name', 'peer')}"
+            t = kernel_profile(g.replay, PROFILE_STEPS, os.path.join(profile_dir(), f"{meta['spec'].get('name', 'peer')}"
                                                                      f"_torch_compile_graph.json"), "torch_compile_graph")
             res["profile"] = {x: t[x] for x in ("kernels_per_step", "busy_us_per_step", "span_us_per_step")}
     except Exception as exc:
