@@ -13,7 +13,7 @@ import numpy as np
 from streamsched.stdlib.kernel_record import KernelTypeError
 from streamsched.stdlib.kernels._base import (DocRow, Family, current_group, _acc, _bn_acc, _channels_last, _floats, _fmt, _int,
                                               _ints, _number, _same_shape, _write)
-from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid, _overlap, _stream
+from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid
 
 FAMILY = Family(__name__, "Batch norm")
 _register = FAMILY.register
@@ -213,55 +213,29 @@ one float dtype -> y: x's type.
 # CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
 
 
-# Batch norm over x [m, c] (channels last).  Grid (S, ceil(c / ct)), blocks of rl * ct threads
-# (ct = min(c, 32) channels, rl a power of two row lanes): thread (lr, cl) takes channel
-# blockIdx.y * ct + cl and rows lr, lr + rl, ..., so a warp reads consecutive channels of a row
-# (coalesced; one thread per channel striding over rows reads a 32-byte sector per element).
-# Every block sums all m rows of its channels in the same fixed order (each thread's rows in
-# turn, in double, then a tree over the row lanes), so every block holds bitwise the same
-# statistics whatever S is, and writes its slice of rows m * x / S .. m * (x + 1) / S; block
-# x = 0 writes the [c] outputs.  S > 1 only when no output shares memory with an input (another
-# block still reads what a slice overwrites); with S = 1 each element is read (all reads end at
-# the reduction's barrier) before its thread writes it: in place is safe.
+# Batch norm over x [m, c] (channels last): one block of SS_B threads per channel.  Parameters
+# are read before the first barrier and the [c] outputs written by thread 0 after it; every
+# element of x/dy is read and then written (y, dx) by the same thread: in place is safe.
 _CNN_SRC["bn"] = r"""
-__device__ __forceinline__ double ss_lane_tree(double v, double* sh, int ct, int rl) {
-    int t = threadIdx.x;
-    sh[t] = v;
-    __syncthreads();
-    for (int s = rl >> 1; s > 0; s >>= 1) {
-        if (t / ct < s) sh[t] += sh[t + s * ct];
-        __syncthreads();
-    }
-    double r = sh[t % ct];
-    __syncthreads();
-    return r;
-}
-
 extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y,
-                                       P_t* mean, P_t* invstd, long long m, int c, double eps,
-                                       int ct, int rl) {
-    __shared__ double sh[1024];
-    int t = threadIdx.x, cl = t % ct, lr = t / ct;
-    int ch = blockIdx.y * ct + cl;
-    bool ok = ch < c;
-    int chs = ok ? ch : 0;
-    A_t g = SS_LD(gamma[chs]), bt = SS_LD(beta[chs]);
+                                       P_t* mean, P_t* invstd, long long m, int c, double eps) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
     double s1 = 0.0;
-    if (ok) for (long long r = lr; r < m; r += rl) s1 += ss_wide(x[r * c + ch]);
-    s1 = ss_lane_tree(s1, sh, ct, rl);
+    for (long long r = t; r < m; r += SS_B) s1 += ss_wide(x[r * c + ch]);
+    s1 = ss_block_sum(s1, sh);
     A_t mu = (A_t)(s1 / (double)m);
     double s2 = 0.0;
-    if (ok) for (long long r = lr; r < m; r += rl) {
+    for (long long r = t; r < m; r += SS_B) {
         A_t d = SS_LD(x[r * c + ch]) - mu;
         s2 += (double)(d * d);
     }
-    s2 = ss_lane_tree(s2, sh, ct, rl);
+    s2 = ss_block_sum(s2, sh);
     A_t var = (A_t)(s2 / (double)m);
     A_t inv = (A_t)1 / ss_sqrt(var + (A_t)eps);
-    if (!ok) return;
-    if (blockIdx.x == 0 && lr == 0) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
-    long long r0 = m * blockIdx.x / gridDim.x, r1 = m * (blockIdx.x + 1) / gridDim.x;
-    for (long long r = r0 + lr; r < r1; r += rl) {
+    if (t == 0) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
+    for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
         A_t d = SS_LD(x[i]) - mu;
         ss_put(y + i, d * inv * g + bt);
@@ -270,30 +244,25 @@ extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t
 
 extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* gamma,
                                       const P_t* mean, const P_t* invstd, X_t* dx, P_t* dgamma,
-                                      P_t* dbeta, long long m, int c, int ct, int rl) {
-    __shared__ double sh[1024];
-    int t = threadIdx.x, cl = t % ct, lr = t / ct;
-    int ch = blockIdx.y * ct + cl;
-    bool ok = ch < c;
-    int chs = ok ? ch : 0;
-    A_t g = SS_LD(gamma[chs]), mu = SS_LD(mean[chs]), inv = SS_LD(invstd[chs]);
+                                      P_t* dbeta, long long m, int c) {
+    __shared__ double sh[SS_B];
+    int ch = blockIdx.x, t = threadIdx.x;
+    A_t g = SS_LD(gamma[ch]), mu = SS_LD(mean[ch]), inv = SS_LD(invstd[ch]);
     double sb = 0.0, sg = 0.0;
-    if (ok) for (long long r = lr; r < m; r += rl) {
+    for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
         A_t d = SS_LD(dy[i]);
         A_t xh = (SS_LD(x[i]) - mu) * inv;
         sb += (double)d;
         sg += (double)(d * xh);
     }
-    sb = ss_lane_tree(sb, sh, ct, rl);
-    sg = ss_lane_tree(sg, sh, ct, rl);
-    if (!ok) return;
+    sb = ss_block_sum(sb, sh);
+    sg = ss_block_sum(sg, sh);
     A_t db = (A_t)sb, dg = (A_t)sg;
-    if (blockIdx.x == 0 && lr == 0) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
+    if (t == 0) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
     A_t am = (A_t)m;
     A_t k1 = db / am, k2 = dg / am, sc = inv * g;
-    long long r0 = m * blockIdx.x / gridDim.x, r1 = m * (blockIdx.x + 1) / gridDim.x;
-    for (long long r = r0 + lr; r < r1; r += rl) {
+    for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
         A_t d = SS_LD(dy[i]);
         A_t xh = (SS_LD(x[i]) - mu) * inv;
@@ -340,19 +309,6 @@ extern "C" __global__ void ss_bn_infer(const X_t* x, const P_t* gamma, const P_t
 """
 
 
-def _bn_grid(m: int, c: int, in_place: bool) -> tuple[int, int, tuple[int, int]]:
-    """(ct, rl, grid) of ss_bn_train / ss_bn_grad for x [m, c]: ct = min(c, 32) channels and rl
-    row lanes (a power of two, ct * rl <= 1024, no more lanes than rows) per block; grid (S, tiles)
-    with S row slices, each block at least 4 rows a lane to write, at most 16, and 1 in place or
-    when every block re-reading all m rows would cost more than 2^17 row reads a lane group."""
-    ct = min(c, 32)
-    rl = 1
-    while ct * rl * 2 <= 1024 and rl * 2 <= m:
-        rl *= 2
-    s = 1 if in_place else max(1, min(16, m // (rl * 4), (1 << 17) // m))
-    return ct, rl, (s, -(-c // ct))
-
-
 def _no_sync_on_gpu(k, attrs):
     from streamsched.stdlib.kernels._base import dp_rank
 
@@ -371,13 +327,8 @@ def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
     _contiguous("batchnorm_train", list(ins) + list(outs))
     c = int(x.shape[-1])
     f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
-    m = x.size // c if c else 0
-    if m == 0:
-        return
-    ct, rl, grid = _bn_grid(m, c, in_place=_overlap(y.data.ptr, y.nbytes, x.data.ptr, x.nbytes))
-    with _stream(ctx, stream):
-        f(grid, (ct * rl,), (x, gamma, beta, y, mean, invstd, np.int64(m), np.int32(c),
-                             np.float64(attrs.get("eps", 1e-5)), np.int32(ct), np.int32(rl)))
+    _go(ctx, stream, f, (c,), (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
+                               np.float64(attrs.get("eps", 1e-5))))
 
 
 def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
@@ -390,14 +341,8 @@ def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
     _contiguous("batchnorm_grad", list(ins) + list(outs))
     c = int(x.shape[-1])
     f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
-    m = x.size // c if c else 0
-    if m == 0:
-        return
-    shared = any(_overlap(dx.data.ptr, dx.nbytes, a.data.ptr, a.nbytes) for a in (dy, x))
-    ct, rl, grid = _bn_grid(m, c, in_place=shared)
-    with _stream(ctx, stream):
-        f(grid, (ct * rl,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta, np.int64(m), np.int32(c),
-                             np.int32(ct), np.int32(rl)))
+    _go(ctx, stream, f, (c,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
+                               np.int64(x.size // c), np.int32(c)))
 
 
 def batchnorm_stats_update_cuda(ctx, stream, ins, outs, attrs):
