@@ -67,6 +67,11 @@ CASES = [
      {"kh": 3, "kw": 2, "pad": 1}, False),
     ("sum_nhw", [_f(4, 8, 8, 16)], {}, False),
     ("sum_nhw", [_f(300, 7)], {}, False),
+    # sizes for the cluster kernels (sm_90+): exactly SS_U rows a thread, rows past the registers,
+    # two channel tiles with idle lanes, f64
+    ("sum_nhw", [_f(100000, 3)], {}, False),
+    ("sum_nhw", [_f(64, 8, 8, 48, dt=np.float64)], {}, False),
+    ("sum_nhw", [_f(2, 16, 8, 160)], {}, False),  # >= 128 channels: ss_colsum
     ("maxpool2d", [_f(4, 8, 8, 16)], {}, True),
     ("maxpool2d", [_ties()], {"size": 3, "stride": 1}, True),
     ("maxpool2d", [_ties()], {}, True),
@@ -82,9 +87,20 @@ CASES = [
     ("batchnorm_train", [_f(16, 8, 8, 16, scale=2) + 1, _f(16), _f(16)], {}, False),
     ("batchnorm_train", [_f(300, 5), _f(5), _f(5)], {"eps": 1e-3}, False),
     ("batchnorm_train", [_f(4, 3, 3, 2, dt=np.float16), _pos(2), _f(2)], {}, False),
+    ("batchnorm_train", [_f(64, 8, 8, 16, scale=3) + 2, _f(16), _f(16)], {}, False),
+    ("batchnorm_train", [_f(100000, 3) + 5, _pos(3), _f(3)], {}, False),
+    ("batchnorm_train", [_f(40, 48, dt=np.float64), _f(48, dt=np.float64), _f(48, dt=np.float64)], {}, False),
+    ("batchnorm_train", [_f(64, 8, 8, 16, dt=np.float16), _pos(16), _f(16)], {}, False),
     ("batchnorm_grad", [_f(16, 8, 8, 16), _f(16, 8, 8, 16), _f(16), _f(16, scale=0.1), _pos(16)], {},
      False),
     ("batchnorm_grad", [_f(300, 5), _f(300, 5), _f(5), _f(5), _pos(5)], {}, False),
+    ("batchnorm_grad", [_f(64, 8, 8, 16), _f(64, 8, 8, 16, scale=3) + 2, _f(16), _f(16, scale=0.1), _pos(16)],
+     {}, False),
+    ("batchnorm_grad", [_f(100000, 3), _f(100000, 3), _f(3), _f(3), _pos(3)], {}, False),
+    ("batchnorm_grad", [_f(40, 48, dt=np.float64), _f(40, 48, dt=np.float64), _f(48, dt=np.float64),
+                        _f(48, dt=np.float64), _pos(48, dt=np.float64)], {}, False),
+    ("batchnorm_grad", [_f(64, 8, 8, 16, dt=np.float16), _f(64, 8, 8, 16, dt=np.float16), _pos(16), _f(16, scale=0.1),
+                        _pos(16)], {}, False),
     ("batchnorm_stats_update", [_f(16), _pos(16), _f(16), _pos(16)], {"count": 1024}, False),
     ("batchnorm_stats_update", [_f(5), _pos(5), _f(5), _pos(5)], {"count": 3, "momentum": 0.3},
      False),
@@ -260,6 +276,44 @@ def test_cuda_twin_is_bitwise_deterministic(cp, ctx, case):
         again = _device(cp, ctx, name, ins, attrs, stream=stream)
         for x, y in zip(first, again):
             assert x.tobytes() == y.tobytes(), name
+
+
+_CHANNEL_SUMS = [i for i, c in enumerate(CASES) if c[0] in ("batchnorm_train", "batchnorm_grad", "sum_nhw")]
+
+
+@pytest.mark.parametrize("case", _CHANNEL_SUMS, ids=lambda i: f"{i}-{CASES[i][0]}")
+def test_cluster_and_block_channel_sums_agree(cp, ctx, monkeypatch, case):
+    """batch norm and sum_nhw take the thread-block-cluster kernels on sm_90+ and the
+    one-block-per-channel kernels elsewhere: both within rounding of each other (their sums add
+    in different orders), and the cluster kernels are the ones that run on this device when it
+    is sm_90+."""
+    from streamsched.stdlib.kernels import _cuda as choice
+
+    name, ins, attrs, _ = CASES[case]
+    cc = int(cp.cuda.Device().compute_capability)
+    monkeypatch.setattr(choice, "CLUSTER_ROWS", {"batchnorm": 0, "sum_nhw": 0})  # every size
+    assert (choice._cluster_tile(cp.zeros((4, 3), cp.float32)) is not None) == (cc >= 90)
+    fast = _device(cp, ctx, name, ins, attrs)
+    monkeypatch.setattr(choice, "CLUSTER", False)
+    assert choice._cluster_tile(cp.zeros((4, 3), cp.float32)) is None
+    block = _device(cp, ctx, name, ins, attrs)
+    _compare(fast, block, False, name)
+
+
+def test_cluster_kernels_run_from_their_row_counts(cp):
+    """Which kernel a size takes (_cuda.CLUSTER_ROWS): the cluster kernels from 2048 rows
+    per channel for batch norm and 8192 for sum_nhw, on sm_90+ only; the tile is the smallest
+    power of two >= c, at most 32."""
+    from streamsched.stdlib.kernels import _cuda as choice
+
+    hopper = int(cp.cuda.Device().compute_capability) >= 90
+    tile = choice._cluster_tile
+    assert tile(cp.zeros((2047, 16), cp.float32)) is None
+    assert tile(cp.zeros((2048, 16), cp.float32)) == (16 if hopper else None)
+    assert tile(cp.zeros((32, 8, 8, 3), cp.float32)) == (4 if hopper else None)
+    assert tile(cp.zeros((4096, 48), cp.float32)) == (32 if hopper else None)
+    assert tile(cp.zeros((4096, 16), cp.float32), "sum_nhw") is None
+    assert tile(cp.zeros((8192, 1), cp.float32), "sum_nhw") == (1 if hopper else None)
 
 
 @pytest.mark.parametrize("seed,offset,size", [(0, 0, 4), (7, 3, 1001), ((7 << 32) | 3, (1 << 32) + 5, 11),

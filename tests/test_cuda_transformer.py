@@ -91,6 +91,10 @@ CASES = [
      {"heads": 5, "context": 70}, False),
     ("attn_fused_grad", [_f(400, 128), _f(400, 128), _f(400, 128), _f(400, 128), _probs(2, 2, 200)],
      {"heads": 2, "context": 200}, False),
+    # dh = 32: the backward's staged operands take 58 KiB, past the plain 48 KiB (the opt-in)
+    ("attn_fused", [_f(128, 64), _f(128, 64), _f(128, 64)], {"heads": 2, "context": 64}, False),
+    ("attn_fused_grad", [_f(128, 64), _f(128, 64), _f(128, 64), _f(128, 64), _probs(2, 2, 64)],
+     {"heads": 2, "context": 64}, False),
     ("adamw_step", [_f(300), _f(300), _f(300, scale=0.1), np.abs(_f(300)), _s(1e-3), _s(3.0)],
      {"weight_decay": 0.1}, False),
     ("grad_sumsq", [_f(100000), _s(2.0)], {}, False),
@@ -249,6 +253,33 @@ def test_fused_attention_read_through_the_cache_matches_numpy(cp, ctx, case, mon
     monkeypatch.setattr(kt, "_ATTN_SMEM", 0)
     name, ins, attrs, exact = CASES[case]
     _compare(_device(cp, ctx, name, ins, attrs), _numpy(name, ins, attrs), exact, name)
+
+
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0] == "attn_fused_grad"],
+                         ids=lambda i: f"{i}-{CASES[i][0]}")
+def test_fused_attention_backward_bits_do_not_depend_on_the_block_shape(cp, ctx, case, monkeypatch):
+    """The fast backward's warps and rows per block only move work between blocks: every
+    (warps, rows per warp) gives bitwise the same dq, dk, dv as the first version's one row a
+    warp, 8 warps a block."""
+    name, ins, attrs, _ = CASES[case]
+    runs = []
+    for shape in ((8, 1), (16, 2), (4, 3), (16, 4)):
+        monkeypatch.setattr(kt, "_ATTN_BWD", shape)
+        runs.append(_device(cp, ctx, name, ins, attrs))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_fused_attention_backward_takes_the_opt_in_shared_memory(cp):
+    """Past the plain 48 KiB a block, the fast backward runs where the device's opt-in limit
+    allows (t = 64, dh = 32 f32: 58 KiB; the H200 allows 227 KiB), and the global kernel past it."""
+    optin = kt._attn_smem_optin(cp.cuda.Device().id)
+    need = kt._attn_bwd_shape(64, 32, 4, 1 << 30)[2]
+    assert need > 48 * 1024
+    assert (kt._attn_bwd_shape(64, 32, 4, kt._attn_smem(cp.cuda.Device().id)) is not None) == (need <= optin)
+    assert kt._attn_bwd_shape(64, 32, 4, 48 * 1024) is None  # 8 warps would take 53.5 KiB
+    assert kt._attn_bwd_shape(64, 16, 4, 48 * 1024) == (16, 32, (64 + 4 * 64 * 17 + 64 * 65 + 16 * 2 * 64) * 4)
 
 
 def test_fused_attention_is_close_to_the_unfused_kernels_on_the_device(cp, ctx):

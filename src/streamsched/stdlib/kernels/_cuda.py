@@ -452,3 +452,135 @@ def _i32(*vals):
     import numpy as np
 
     return tuple(np.int32(int(v)) for v in vals)
+
+
+# Sums over the rows of a channels-last x [m, c] (batch norm's statistics and gradient, conv2d's
+# bias gradient) for Hopper and later (sm_90+):
+# one thread-block cluster of SS_K blocks per tile of w channels (w a power of two <= 32, the
+# fewest that covers c), SS_T threads a block as (row lane lr, channel lane lc), t = lr*w + lc.
+# A warp reads 32/w whole rows of the tile: coalesced, where the one-block-per-channel kernels
+# read one float in every c.  Cluster rank q owns rows q*nr + lr, stepping SS_K*nr (nr = SS_T/w);
+# a thread keeps its first SS_U rows in registers, so the later passes re-read only the rest.
+# A sum over rows: each thread's rows in order in double, fixed shuffle trees over the row
+# lanes of a warp and over the warps, then the SS_K blocks' partials read through distributed
+# shared memory in rank order; every block of the cluster gets the same total, bitwise, and the
+# result is deterministic (the order depends on c and the dtype, not on the run).  No atomics, no scratch.  Source: CUDA C++
+# Programming Guide, "Thread Block Clusters" and "Distributed Shared Memory"; PTX ISA
+# (barrier.cluster, mapa, ld.shared::cluster).
+_CLUSTER_PRE = r"""
+#define SS_K 8
+#define SS_U 8
+// 1024 threads a block, 512 when the compute type is double (its register arrays are twice
+// as wide); every kernel below is launched with exactly SS_T threads.
+constexpr int SS_T = sizeof(A_t) == 8 ? 512 : 1024;
+constexpr int SS_NW = SS_T / 32;
+__device__ __forceinline__ unsigned ss_cl_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void ss_cl_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+}
+__device__ __forceinline__ void ss_cl_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ss_cl_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The generic address of *p in the shared memory of cluster block `rank`.
+__device__ __forceinline__ const double* ss_cl_at(const double* p, unsigned rank) {
+    const double* r;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
+    return r;
+}
+// Totals over the cluster of v[0..NV) for this thread's channel lane (t % w), in one fixed
+// order: a thread's rows in order, the row lanes of a warp by a shuffle tree, the SS_NW warps by
+// a second shuffle tree (warp j sums channels j, j + SS_NW, ...), then ranks 0..SS_K-1 in order from distributed
+// shared memory.  cl: this reduction's [NV*32] partials, read by the other blocks until they pass
+// the next cluster barrier (the caller's next ss_cl_total, or its final ss_cl_wait after
+// ss_cl_arrive): a kernel alternates two cl buffers and ends with arrive ... wait.
+template <int NV>
+__device__ __forceinline__ void ss_cl_total(double* v, int w, double* sh, double* cl, double* tot) {
+    int t = threadIdx.x, lane = t & 31, wid = t >> 5;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        for (int off = 16; off >= w; off >>= 1) v[j] += __shfl_down_sync(0xffffffffu, v[j], off);
+        if (lane < w) sh[j * 1024 + wid * w + lane] = v[j];
+    }
+    __syncthreads();
+    for (int cj = wid; cj < w; cj += SS_NW) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            double a = lane < SS_NW ? sh[j * 1024 + lane * w + cj] : 0.0;
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_down_sync(0xffffffffu, a, off);
+            if (lane == 0) cl[j * 32 + cj] = a;
+        }
+    }
+    ss_cl_sync();
+    if (t < w) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            double a[SS_K];
+#pragma unroll
+            for (int q = 0; q < SS_K; ++q) a[q] = *ss_cl_at(cl + j * 32 + t, q);
+            double s = 0.0;
+#pragma unroll
+            for (int q = 0; q < SS_K; ++q) s += a[q];
+            tot[j * 32 + t] = s;
+        }
+    }
+    __syncthreads();
+    int lc = t % w;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) v[j] = tot[j * 32 + lc];
+}
+
+"""
+
+
+CLUSTER = True
+"""Use the cluster kernels (ss_bn_train_cl, ss_bn_grad_cl, ss_sum_nhw_cl) on devices of compute
+capability 9.0 and later; False keeps the one-block-per-channel kernels everywhere (tests turn
+it off to check one against the other)."""
+
+_CL_K = 8  # SS_K
+
+
+CLUSTER_ROWS = {"batchnorm": 2048, "sum_nhw": 8192}
+"""The fewest rows per channel (x.size / c) for which the cluster kernels run: below them the
+one-block-per-channel kernels are faster.  Measured on the H200 (us per launch in a graph, block
+/ cluster): batch norm forward at 1024 rows x 16 channels 3.8 / 5.9, at 4096 9.5 / 6.4; sum_nhw
+at 4096 x 16 2.6 / 3.4, at 25088 x 64 15.1 / 12.3.  The cluster kernels take about 3 us however
+small the problem (their barriers and exchanges; an empty kernel takes 0.7 us)."""
+
+
+def _cluster_tile(x, kind: str = "batchnorm") -> int | None:
+    """The channel-tile width w of the cluster kernels for x [..., c] on its device, or None
+    where they do not run (CLUSTER off, a device before sm_90, no channels, fewer rows per
+    channel than CLUSTER_ROWS[kind])."""
+    if not CLUSTER or x.ndim == 0 or int(x.shape[-1]) == 0:
+        return None
+    if x.size // int(x.shape[-1]) < CLUSTER_ROWS[kind]:
+        return None
+    caps = _kernels().setdefault("_cc", {})
+    dev = x.data.device_id
+    cc = caps.get(dev)
+    if cc is None:
+        import cupy as cp
+
+        cc = caps[dev] = int(cp.cuda.Device(dev).compute_capability)
+    if cc < 90:
+        return None
+    c, w = int(x.shape[-1]), 1
+    while w < c and w < 32:
+        w *= 2
+    return w
+
+
+def _go_cluster(ctx, stream, f, c: int, w: int, acc: str, args) -> None:
+    """Launch a cluster kernel: SS_K blocks (one cluster) per tile of w channels, SS_T threads
+    (512 when the compute type `acc` is float64, else 1024)."""
+    with _stream(ctx, stream):
+        f((_CL_K, -(-c // w), 1), (512 if acc == "float64" else 1024, 1, 1), args)

@@ -13,7 +13,8 @@ import numpy as np
 from streamsched.stdlib.kernel_record import KernelTypeError
 from streamsched.stdlib.kernels._base import (DocRow, Family, current_group, _acc, _bn_acc, _channels_last, _floats, _fmt, _int,
                                               _ints, _number, _same_shape, _write)
-from streamsched.stdlib.kernels._cuda import _CNN_SRC, _acc_of, _cnn_fn, _contiguous, _go, _grid
+from streamsched.stdlib.kernels._cuda import (_CLUSTER_PRE, _CNN_SRC, _acc_of, _cluster_tile, _cnn_fn, _contiguous,
+                                              _go, _go_cluster, _grid)
 
 FAMILY = Family(__name__, "Batch norm")
 _register = FAMILY.register
@@ -272,6 +273,182 @@ extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* ga
 """
 
 
+# Batch norm for Hopper and later (sm_90+): the thread-block-cluster kernels of _cuda.py's
+# _CLUSTER_PRE (layout, sums and their order described there), two passes over rows kept in
+# registers (forward: the mean, then the variance about it; backward: dbeta and dgamma
+# together), then y / dx.  Chosen by _cluster_tile (CLUSTER, CLUSTER_ROWS).
+_CNN_SRC["bncl"] = _CLUSTER_PRE + r"""
+extern "C" __global__ void __cluster_dims__(SS_K, 1, 1) __launch_bounds__(SS_T)
+ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mean, P_t* invstd,
+               long long m, int c, int w, double eps) {
+    __shared__ double sh[1024];
+    __shared__ double cl[2][32], tot[2][32];
+    int t = threadIdx.x, lc = t % w, nr = SS_T / w;
+    unsigned q = ss_cl_rank();
+    int ch = blockIdx.y * w + lc;
+    bool on = ch < c;
+    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    A_t keep[SS_U];
+    double v[1] = {0.0};
+#pragma unroll
+    for (int u = 0; u < SS_U; ++u) {
+        long long r = r0 + u * step;
+        keep[u] = (on && r < m) ? SS_LD(x[r * c + ch]) : (A_t)0;
+    }
+#pragma unroll
+    for (int u = 0; u < SS_U; ++u) v[0] += (double)keep[u];
+    long long r = r0 + big;
+    if (on) {
+        for (; r + big - step < m; r += big) {
+            A_t a[SS_U];
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) a[u] = SS_LD(x[(r + u * step) * c + ch]);
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) v[0] += (double)a[u];
+        }
+        for (; r < m; r += step) v[0] += ss_wide(x[r * c + ch]);
+    }
+    ss_cl_total<1>(v, w, sh, cl[0], tot[0]);
+    A_t mu = (A_t)(v[0] / (double)m);
+    v[0] = 0.0;
+#pragma unroll
+    for (int u = 0; u < SS_U; ++u) {
+        if (on && r0 + u * step < m) {
+            A_t d = keep[u] - mu;
+            v[0] += (double)(d * d);
+        }
+    }
+    r = r0 + big;
+    if (on) {
+        for (; r + big - step < m; r += big) {
+            A_t a[SS_U];
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) a[u] = SS_LD(x[(r + u * step) * c + ch]) - mu;
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) v[0] += (double)(a[u] * a[u]);
+        }
+        for (; r < m; r += step) {
+            A_t d = SS_LD(x[r * c + ch]) - mu;
+            v[0] += (double)(d * d);
+        }
+    }
+    ss_cl_total<1>(v, w, sh, cl[1], tot[1]);
+    ss_cl_arrive();
+    if (on) {
+        A_t var = (A_t)(v[0] / (double)m);
+        A_t inv = (A_t)1 / ss_sqrt(var + (A_t)eps);
+        A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
+        if (q == 0 && t < w) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
+#pragma unroll
+        for (int u = 0; u < SS_U; ++u) {
+            long long rr = r0 + u * step;
+            if (rr < m) ss_put(y + rr * c + ch, (keep[u] - mu) * inv * g + bt);
+        }
+        for (r = r0 + big; r + big - step < m; r += big) {
+            A_t a[SS_U];
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) a[u] = SS_LD(x[(r + u * step) * c + ch]);
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) ss_put(y + (r + u * step) * c + ch, (a[u] - mu) * inv * g + bt);
+        }
+        for (; r < m; r += step) {
+            long long i = r * c + ch;
+            A_t d = SS_LD(x[i]) - mu;
+            ss_put(y + i, d * inv * g + bt);
+        }
+    }
+    ss_cl_wait();
+}
+
+extern "C" __global__ void __cluster_dims__(SS_K, 1, 1) __launch_bounds__(SS_T)
+ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, const P_t* invstd,
+              X_t* dx, P_t* dgamma, P_t* dbeta, long long m, int c, int w) {
+    __shared__ double sh[2048];
+    __shared__ double cl[64], tot[64];
+    int t = threadIdx.x, lc = t % w, nr = SS_T / w;
+    unsigned q = ss_cl_rank();
+    int ch = blockIdx.y * w + lc;
+    bool on = ch < c;
+    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    A_t mu = on ? SS_LD(mean[ch]) : (A_t)0, inv = on ? SS_LD(invstd[ch]) : (A_t)0;
+    A_t kd[SS_U], kx[SS_U];
+    double v[2] = {0.0, 0.0};
+#pragma unroll
+    for (int u = 0; u < SS_U; ++u) {
+        long long r = r0 + u * step;
+        bool ok = on && r < m;
+        kd[u] = ok ? SS_LD(dy[r * c + ch]) : (A_t)0;
+        kx[u] = ok ? (SS_LD(x[r * c + ch]) - mu) * inv : (A_t)0;
+    }
+#pragma unroll
+    for (int u = 0; u < SS_U; ++u) {
+        v[0] += (double)kd[u];
+        v[1] += (double)(kd[u] * kx[u]);
+    }
+    long long r = r0 + big;
+    if (on) {
+        for (; r + big - step < m; r += big) {
+            A_t d[SS_U], xh[SS_U];
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) {
+                long long i = (r + u * step) * c + ch;
+                d[u] = SS_LD(dy[i]);
+                xh[u] = SS_LD(x[i]);
+            }
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) {
+                A_t h = (xh[u] - mu) * inv;
+                v[0] += (double)d[u];
+                v[1] += (double)(d[u] * h);
+            }
+        }
+        for (; r < m; r += step) {
+            long long i = r * c + ch;
+            A_t d = SS_LD(dy[i]);
+            A_t xh = (SS_LD(x[i]) - mu) * inv;
+            v[0] += (double)d;
+            v[1] += (double)(d * xh);
+        }
+    }
+    ss_cl_total<2>(v, w, sh, cl, tot);
+    ss_cl_arrive();
+    if (on) {
+        A_t db = (A_t)v[0], dg = (A_t)v[1];
+        if (q == 0 && t < w) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
+        A_t am = (A_t)m, g = SS_LD(gamma[ch]);
+        A_t k1 = db / am, k2 = dg / am, sc = inv * g;
+#pragma unroll
+        for (int u = 0; u < SS_U; ++u) {
+            long long rr = r0 + u * step;
+            if (rr < m) ss_put(dx + rr * c + ch, (kd[u] - k1 - kx[u] * k2) * sc);
+        }
+        for (r = r0 + big; r + big - step < m; r += big) {
+            A_t d[SS_U], xh[SS_U];
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) {
+                long long i = (r + u * step) * c + ch;
+                d[u] = SS_LD(dy[i]);
+                xh[u] = SS_LD(x[i]);
+            }
+#pragma unroll
+            for (int u = 0; u < SS_U; ++u) {
+                A_t h = (xh[u] - mu) * inv;
+                ss_put(dx + (r + u * step) * c + ch, (d[u] - k1 - h * k2) * sc);
+            }
+        }
+        for (; r < m; r += step) {
+            long long i = r * c + ch;
+            A_t d = SS_LD(dy[i]);
+            A_t xh = (SS_LD(x[i]) - mu) * inv;
+            ss_put(dx + i, (d - k1 - xh * k2) * sc);
+        }
+    }
+    ss_cl_wait();
+}
+
+"""
+
+
 # Running statistics, one thread per channel, rounded like the NumPy twin: the mean update in
 # A_t, the variance recovered from invstd in double, (1 - momentum) * running_var in A_t plus
 # momentum * unbiased var in double.
@@ -326,6 +503,13 @@ def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
     y, mean, invstd = outs
     _contiguous("batchnorm_train", list(ins) + list(outs))
     c = int(x.shape[-1])
+    w = _cluster_tile(x)
+    if w is not None:
+        acc = _acc_of(x.dtype, gamma.dtype)
+        f = _cnn_fn("bncl", "ss_bn_train_cl", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
+        _go_cluster(ctx, stream, f, c, w, acc, (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
+                                           np.int32(w), np.float64(attrs.get("eps", 1e-5))))
+        return
     f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
     _go(ctx, stream, f, (c,), (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
                                np.float64(attrs.get("eps", 1e-5))))
@@ -340,6 +524,13 @@ def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
     dx, dgamma, dbeta = outs
     _contiguous("batchnorm_grad", list(ins) + list(outs))
     c = int(x.shape[-1])
+    w = _cluster_tile(x)
+    if w is not None:
+        acc = _acc_of(x.dtype, gamma.dtype)
+        f = _cnn_fn("bncl", "ss_bn_grad_cl", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
+        _go_cluster(ctx, stream, f, c, w, acc, (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
+                                           np.int64(x.size // c), np.int32(c), np.int32(w)))
+        return
     f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
     _go(ctx, stream, f, (c,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
                                np.int64(x.size // c), np.int32(c)))

@@ -1043,8 +1043,8 @@ extern "C" __global__ void ss_causal_mask(X_t* s, long long size, int t) {
 # [n, d] array: element (r, c) at base + r * d + c, base = b * t * d + h * dh.  Two variants:
 #   fast (_ATTN_FAST): the head's slices copied into shared memory (rows padded to dh + 1, so
 #     lanes reading one column of consecutive rows hit distinct banks), one warp per query row
-#     (forward) or per row and column (backward), 8 warps a block; taken when its shared memory
-#     fits _ATTN_SMEM;
+#     (forward) or per row and column (backward), 8 warps a block forward, 16 backward; taken
+#     when its shared memory fits _ATTN_SMEM (the device's opt-in limit per block);
 #   global (_ATTN_GLOBAL): any size: the slices read through the L1 cache, each row's scores in
 #     p itself, per-lane register arrays of SS_MAXJ = ceil(t / 32) entries.
 # Every product is an FMA; the scores and probabilities (forward), dp and ds (backward) are
@@ -1120,14 +1120,15 @@ extern "C" __global__ void ss_attn_fwd(const X_t* q, const X_t* k, const X_t* v,
     }
 }
 
-// dq, dk, dv of attention: grid (b * heads, ceil(t / warps)).  Every block first computes
-// dot_i = sum_j p_ij dp_ij (dp_ij = dy_i . v_j) of all t rows; then warp w takes r = blockIdx.y
-// * warps + w: ds_rj (its row) and ds_ir (its column) into the warp's buffers, with
+// dq, dk, dv of attention: grid (b * heads, ceil(t / rows)).  Every block first computes
+// dot_i = sum_j p_ij dp_ij (dp_ij = dy_i . v_j) of all t rows; then warp w takes the block's
+// rows r = blockIdx.y * rows + w, + warps, ...: ds_rj (its row) and ds_ir (its column) into the
+// warp's buffers, with
 // ds_ij = p_ij (dp_ij - dot_i), then lanes over columns c: dq_rc = scale sum_j ds_rj k_jc,
 // dk_rc = scale sum_i ds_ir q_ic, dv_rc = sum_i p_ir dy_ic.  Shared: dot [t]; dy, q, k, v
 // [t, dh + 1]; p [t, t + 1]; per warp two [t] buffers.
 extern "C" __global__ void ss_attn_bwd(const X_t* dy, const X_t* q, const X_t* k, const X_t* v,
-        const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale) {
+        const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale, int rows) {
     extern __shared__ unsigned char ss_sm[];
     SS_HEAD_OF_BLOCK
     int ld = dh + 1;
@@ -1163,36 +1164,38 @@ extern "C" __global__ void ss_attn_bwd(const X_t* dy, const X_t* q, const X_t* k
         if (lane == 0) dot[i] = (A_t)sd;
     }
     __syncthreads();
-    int r = blockIdx.y * nw + warp;
-    if (r >= t) return;
-    const A_t* dyr = dys + r * ld;
-    const A_t* vr = vs + r * ld;
-    for (int j = lane; j < t; j += 32) {
-        A_t dp = 0;
-        const A_t* vj = vs + j * ld;
+    int r1 = min(t, (int)(blockIdx.y + 1) * rows);
+    for (int r = blockIdx.y * rows + warp; r < r1; r += nw) {
+        const A_t* dyr = dys + r * ld;
+        const A_t* vr = vs + r * ld;
+        for (int j = lane; j < t; j += 32) {
+            A_t dp = 0;
+            const A_t* vj = vs + j * ld;
 #pragma unroll 8
-        for (int c = 0; c < dh; ++c) dp = ss_fma(dyr[c], vj[c], dp);
-        dsr[j] = ss_round(ps[r * (t + 1) + j] * (ss_round(dp) - dot[r]));
-    }
-    for (int i = lane; i < t; i += 32) {
-        A_t dp = 0;
-        const A_t* dyi = dys + i * ld;
-#pragma unroll 8
-        for (int c = 0; c < dh; ++c) dp = ss_fma(dyi[c], vr[c], dp);
-        dsc[i] = ss_round(ps[i * (t + 1) + r] * (ss_round(dp) - dot[i]));
-    }
-    __syncwarp();
-    for (int c = lane; c < dh; c += 32) {
-        A_t aq = 0, ak = 0, av = 0;
-#pragma unroll 4
-        for (int j = 0; j < t; ++j) {
-            aq = ss_fma(dsr[j], ks[j * ld + c], aq);
-            ak = ss_fma(dsc[j], qs[j * ld + c], ak);
-            av = ss_fma(ps[j * (t + 1) + r], dys[j * ld + c], av);
+            for (int c = 0; c < dh; ++c) dp = ss_fma(dyr[c], vj[c], dp);
+            dsr[j] = ss_round(ps[r * (t + 1) + j] * (ss_round(dp) - dot[r]));
         }
-        ss_put(dq + base + (long long)r * d + c, aq * scale);
-        ss_put(dk + base + (long long)r * d + c, ak * scale);
-        ss_put(dv + base + (long long)r * d + c, av);
+        for (int i = lane; i < t; i += 32) {
+            A_t dp = 0;
+            const A_t* dyi = dys + i * ld;
+#pragma unroll 8
+            for (int c = 0; c < dh; ++c) dp = ss_fma(dyi[c], vr[c], dp);
+            dsc[i] = ss_round(ps[i * (t + 1) + r] * (ss_round(dp) - dot[i]));
+        }
+        __syncwarp();
+        for (int c = lane; c < dh; c += 32) {
+            A_t aq = 0, ak = 0, av = 0;
+#pragma unroll 4
+            for (int j = 0; j < t; ++j) {
+                aq = ss_fma(dsr[j], ks[j * ld + c], aq);
+                ak = ss_fma(dsc[j], qs[j * ld + c], ak);
+                av = ss_fma(ps[j * (t + 1) + r], dys[j * ld + c], av);
+            }
+            ss_put(dq + base + (long long)r * d + c, aq * scale);
+            ss_put(dk + base + (long long)r * d + c, ak * scale);
+            ss_put(dv + base + (long long)r * d + c, av);
+        }
+        __syncwarp();
     }
 }
 """
@@ -1300,12 +1303,57 @@ extern "C" __global__ void ss_attn_bwd_global(const X_t* dy, const X_t* q, const
 }
 """
 
-_ATTN_SMEM = 48 * 1024
-"""Bytes of dynamic shared memory the fast fused-attention kernels may take (the limit without an
-opt-in); past it the global ones run (tests lower it to reach them)."""
+_ATTN_SMEM = None
+"""Bytes of dynamic shared memory the fast fused-attention kernels may take; None: the device's
+opt-in limit per block (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 KiB on the H200), which each
+fast kernel is allowed with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES when it is loaded.
+Past it the global kernels run (tests set 0 to reach them).  With only the 48 KiB a block gets
+without the opt-in, the backward of t = 64 rows of dh = 32 took the global kernel: 381 us
+against 17 us for dh = 16 on the H200."""
+_SMEM_PLAIN = 48 * 1024  # what every block may take without the opt-in
+_SMEM_OPTIN_ATTR = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+def _attn_smem(device_id: int) -> int:
+    """The shared-memory bytes the fast kernels may take on this device (_ATTN_SMEM)."""
+    if _ATTN_SMEM is not None:
+        return int(_ATTN_SMEM)
+    return _attn_smem_optin(device_id)
+
+
+def _attn_smem_optin(device_id: int) -> int:
+    """The device's opt-in shared-memory limit per block, at least the plain 48 KiB."""
+    cache = _kernels().setdefault("_smem_optin", {})
+    v = cache.get(device_id)
+    if v is None:
+        import cupy as cp
+
+        try:
+            v = int(cp.cuda.runtime.deviceGetAttribute(_SMEM_OPTIN_ATTR, device_id))
+        except Exception:  # an older runtime without the attribute: the plain limit
+            v = _SMEM_PLAIN
+        cache[device_id] = v = max(v, _SMEM_PLAIN)
+    return v
 
 _ATTN_WARPS = 8  # warps per block of the fast kernels: one query row (and column) each
+_ATTN_BWD = (16, 2)
+"""(warps, rows per warp at most) of the fast backward kernel: every block recomputes dot_i of all
+t rows, so fewer, larger blocks repeat less of it (8 warps of one row each, the first version,
+took 32.5 us a layer in the GPT step)."""
 _ATTN_ROWS = 16  # rows (and columns) per block of the global kernels, 4 warps
+
+
+def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int):
+    """(warps, rows per block, shared bytes) of the fast backward for t rows of dh columns, or
+    None where its staged operands do not fit `limit` bytes (the global kernel then runs): the
+    most warps of _ATTN_BWD[0], then _ATTN_WARPS, that fit, each taking up to _ATTN_BWD[1] rows
+    while the sequence still spreads over two blocks or more."""
+    staged = (t + 4 * t * (dh + 1) + t * (t + 1)) * itemsize
+    for nw in dict.fromkeys((_ATTN_BWD[0], _ATTN_WARPS)):
+        smem = staged + nw * 2 * t * itemsize
+        if smem <= limit:
+            return nw, nw * max(1, min(_ATTN_BWD[1], t // (2 * nw))), smem
+    return None
 _ATTN_GWARPS = 4
 
 
@@ -1336,6 +1384,26 @@ def _attn_fn(name: str, fast: bool, t: int, x_dtype, a_dtype):
         k["_raw"][mkey] = mod
     f = k["_fn"][fkey] = mod.get_function(name if fast else name + "_global")
     return f
+
+
+def _allow_smem(f, smem: int, device_id: int) -> bool:
+    """Whether kernel f may launch with `smem` bytes of dynamic shared memory: past the plain
+    48 KiB, f is first allowed the device's opt-in limit (once per kernel); False where the
+    driver refuses (the caller then takes the global kernel)."""
+    if smem <= _SMEM_PLAIN:
+        return True
+    allowed = _kernels().setdefault("_smem_allowed", {})
+    key = (device_id, id(f))  # f: a RawKernel of the module cache, kept for the process
+    v = allowed.get(key)
+    if v is None:
+        try:
+            static = int(f.attributes.get("shared_size_bytes", 0))
+            v = _attn_smem_optin(device_id) - static
+            f.max_dynamic_shared_size_bytes = v  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        except Exception:  # refused (or an older CuPy): the plain limit
+            v = _SMEM_PLAIN
+        allowed[key] = v
+    return smem <= v
 
 _SRC["clip"] = r"""
 // sumsq = sumsq + sum(g^2): one block, thread t adds i = t, t + SS_B, ... in double, a fixed tree.
@@ -1779,8 +1847,11 @@ def attn_fused_cuda(ctx, stream, ins, outs, attrs):
     args = (q, k, v, y, p, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh), acc.type(_scale_of(d, heads)),
             np.int32(bool(attrs.get("causal", True))))
     smem = (2 * t * (dh + 1) + _ATTN_WARPS * (dh + t)) * acc.itemsize
-    fast = smem <= _ATTN_SMEM
+    dev = q.data.device_id
+    fast = smem <= _attn_smem(dev)
     f = _attn_fn("ss_attn_fwd", fast, t, q.dtype, acc)
+    if fast and not _allow_smem(f, smem, dev):
+        fast, f = False, _attn_fn("ss_attn_fwd", False, t, q.dtype, acc)
     with _stream(ctx, stream):
         if fast:
             f((b * heads, -(-t // _ATTN_WARPS)), (32 * _ATTN_WARPS,), args, shared_mem=smem)
@@ -1801,12 +1872,21 @@ def attn_fused_grad_cuda(ctx, stream, ins, outs, attrs):
     acc = np.dtype(_acc_of(q.dtype))
     args = (dy, q, k, v, p, dq, dk, dv, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh),
             acc.type(_scale_of(d, heads)))
-    smem = (t + 4 * t * (dh + 1) + t * (t + 1) + _ATTN_WARPS * 2 * t) * acc.itemsize
-    fast = smem <= _ATTN_SMEM
-    f = _attn_fn("ss_attn_bwd", fast, t, q.dtype, acc)
+    dev = q.data.device_id
+    shape = _attn_bwd_shape(t, dh, acc.itemsize, _attn_smem(dev))
+    f = _attn_fn("ss_attn_bwd", shape is not None, t, q.dtype, acc)
+    if shape is not None and not _allow_smem(f, shape[2], dev):
+        shape = _attn_bwd_shape(t, dh, acc.itemsize, _SMEM_PLAIN)
+        if shape is None:
+            f = _attn_fn("ss_attn_bwd", False, t, q.dtype, acc)
+    fast = shape is not None
     with _stream(ctx, stream):
         if fast:
-            f((b * heads, -(-t // _ATTN_WARPS)), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+            nw, rows, smem = shape
+            f((b * heads, -(-t // rows)), (32 * nw,), args + (np.int32(rows),), shared_mem=smem)
         else:
+            if not _allow_smem(f, t * acc.itemsize, dev):
+                raise NotImplementedError(f"attn_fused_grad: context {t} needs {t * acc.itemsize} bytes of shared "
+                                          f"memory a block, more than this device allows")
             f((b * heads, -(-t // _ATTN_ROWS)), (32 * _ATTN_GWARPS,), args + (np.int32(_ATTN_ROWS),),
               shared_mem=t * acc.itemsize)
