@@ -559,7 +559,7 @@ small the problem (their barriers and exchanges; an empty kernel takes 0.7 us)."
 def _cluster_tile(x, kind: str = "batchnorm") -> int | None:
     """The channel-tile width w of the cluster kernels for x [..., c] on its device, or None
     where they do not run (CLUSTER off, a device before sm_90, no channels, fewer rows per
-    channel than CLUSTER_ROWS[kind])."""
+    channel than CLUSTER_ROWS[kind], more than 65535 tiles)."""
     if not CLUSTER or x.ndim == 0 or int(x.shape[-1]) == 0:
         return None
     if x.size // int(x.shape[-1]) < CLUSTER_ROWS[kind]:
@@ -576,6 +576,8 @@ def _cluster_tile(x, kind: str = "batchnorm") -> int | None:
     c, w = int(x.shape[-1]), 1
     while w < c and w < 32:
         w *= 2
+    if -(-c // w) > 65535:  # the tiles are gridDim.y
+        return None
     return w
 
 

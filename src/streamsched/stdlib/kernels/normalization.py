@@ -288,6 +288,7 @@ ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mea
     int ch = blockIdx.y * w + lc;
     bool on = ch < c;
     long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    A_t g = on ? SS_LD(gamma[ch]) : (A_t)0, bt = on ? SS_LD(beta[ch]) : (A_t)0;  // before any output
     A_t keep[SS_U];
     double v[1] = {0.0};
 #pragma unroll
@@ -337,7 +338,6 @@ ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mea
     if (on) {
         A_t var = (A_t)(v[0] / (double)m);
         A_t inv = (A_t)1 / ss_sqrt(var + (A_t)eps);
-        A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
         if (q == 0 && t < w) { ss_put(mean + ch, mu); ss_put(invstd + ch, inv); }
 #pragma unroll
         for (int u = 0; u < SS_U; ++u) {
@@ -371,6 +371,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
     bool on = ch < c;
     long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
     A_t mu = on ? SS_LD(mean[ch]) : (A_t)0, inv = on ? SS_LD(invstd[ch]) : (A_t)0;
+    A_t g = on ? SS_LD(gamma[ch]) : (A_t)0;  // every input of [c] read before any output
     A_t kd[SS_U], kx[SS_U];
     double v[2] = {0.0, 0.0};
 #pragma unroll
@@ -415,7 +416,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
     if (on) {
         A_t db = (A_t)v[0], dg = (A_t)v[1];
         if (q == 0 && t < w) { ss_put(dgamma + ch, dg); ss_put(dbeta + ch, db); }
-        A_t am = (A_t)m, g = SS_LD(gamma[ch]);
+        A_t am = (A_t)m;
         A_t k1 = db / am, k2 = dg / am, sc = inv * g;
 #pragma unroll
         for (int u = 0; u < SS_U; ++u) {

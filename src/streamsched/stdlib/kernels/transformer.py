@@ -1343,13 +1343,16 @@ took 32.5 us a layer in the GPT step)."""
 _ATTN_ROWS = 16  # rows (and columns) per block of the global kernels, 4 warps
 
 
-def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int):
+def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int, warps: int | None = None):
     """(warps, rows per block, shared bytes) of the fast backward for t rows of dh columns, or
     None where its staged operands do not fit `limit` bytes (the global kernel then runs): the
     most warps of _ATTN_BWD[0], then _ATTN_WARPS, that fit, each taking up to _ATTN_BWD[1] rows
-    while the sequence still spreads over two blocks or more."""
+    while the sequence still spreads over two blocks or more.  warps: at most this many (the
+    compiled kernel's register limit, or a shape already tried)."""
     staged = (t + 4 * t * (dh + 1) + t * (t + 1)) * itemsize
     for nw in dict.fromkeys((_ATTN_BWD[0], _ATTN_WARPS)):
+        if warps is not None and nw > warps:
+            continue
         smem = staged + nw * 2 * t * itemsize
         if smem <= limit:
             return nw, nw * max(1, min(_ATTN_BWD[1], t // (2 * nw))), smem
@@ -1875,10 +1878,12 @@ def attn_fused_grad_cuda(ctx, stream, ins, outs, attrs):
     dev = q.data.device_id
     shape = _attn_bwd_shape(t, dh, acc.itemsize, _attn_smem(dev))
     f = _attn_fn("ss_attn_bwd", shape is not None, t, q.dtype, acc)
+    if shape is not None and 32 * shape[0] > int(f.attributes.get("max_threads_per_block", 1024)):
+        shape = _attn_bwd_shape(t, dh, acc.itemsize, _attn_smem(dev), warps=_ATTN_WARPS)  # registers
     if shape is not None and not _allow_smem(f, shape[2], dev):
-        shape = _attn_bwd_shape(t, dh, acc.itemsize, _SMEM_PLAIN)
-        if shape is None:
-            f = _attn_fn("ss_attn_bwd", False, t, q.dtype, acc)
+        shape = _attn_bwd_shape(t, dh, acc.itemsize, _SMEM_PLAIN, warps=shape[0])
+    if shape is None:
+        f = _attn_fn("ss_attn_bwd", False, t, q.dtype, acc)
     fast = shape is not None
     with _stream(ctx, stream):
         if fast:
