@@ -495,6 +495,15 @@ __device__ __forceinline__ const double* ss_cl_at(const double* p, unsigned rank
     asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
     return r;
 }
+// Where a cluster kernel's thread works (grid (SS_K, channel tiles), SS_T threads, w channels a
+// tile): thread t is row lane t / w and channel lane lc of cluster rank q; its channel ch (on:
+// ch < c); its rows r0, r0 + step, ... (the first SS_U in registers, then chunks of big rows).
+#define SS_CL_HEAD \
+    int t = threadIdx.x, lc = t % w, nr = SS_T / w; \
+    unsigned q = ss_cl_rank(); \
+    int ch = blockIdx.y * w + lc; \
+    bool on = ch < c; \
+    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
 // Totals over the cluster of v[0..NV) for this thread's channel lane (t % w), in one fixed
 // order: a thread's rows in order, the row lanes of a warp by a shuffle tree, the SS_NW warps by
 // a second shuffle tree (warp j sums channels j, j + SS_NW, ...), then ranks 0..SS_K-1 in order from distributed

@@ -290,11 +290,7 @@ extern "C" __global__ void __cluster_dims__(SS_K, 1, 1) __launch_bounds__(SS_T)
 ss_sum_nhw_cl(const X_t* dy, X_t* db, long long m, int c, int w) {
     __shared__ double sh[1024];
     __shared__ double cl[32], tot[32];
-    int t = threadIdx.x, lc = t % w, nr = SS_T / w;
-    unsigned q = ss_cl_rank();
-    int ch = blockIdx.y * w + lc;
-    bool on = ch < c;
-    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    SS_CL_HEAD
     double v[1] = {0.0};
     if (on) {
         long long r = r0;

@@ -283,11 +283,7 @@ ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mea
                long long m, int c, int w, double eps) {
     __shared__ double sh[1024];
     __shared__ double cl[2][32], tot[2][32];
-    int t = threadIdx.x, lc = t % w, nr = SS_T / w;
-    unsigned q = ss_cl_rank();
-    int ch = blockIdx.y * w + lc;
-    bool on = ch < c;
-    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    SS_CL_HEAD
     A_t g = on ? SS_LD(gamma[ch]) : (A_t)0, bt = on ? SS_LD(beta[ch]) : (A_t)0;  // before any output
     A_t keep[SS_U];
     double v[1] = {0.0};
@@ -365,11 +361,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
               X_t* dx, P_t* dgamma, P_t* dbeta, long long m, int c, int w) {
     __shared__ double sh[2048];
     __shared__ double cl[64], tot[64];
-    int t = threadIdx.x, lc = t % w, nr = SS_T / w;
-    unsigned q = ss_cl_rank();
-    int ch = blockIdx.y * w + lc;
-    bool on = ch < c;
-    long long r0 = (long long)q * nr + t / w, step = (long long)SS_K * nr, big = SS_U * step;
+    SS_CL_HEAD
     A_t mu = on ? SS_LD(mean[ch]) : (A_t)0, inv = on ? SS_LD(invstd[ch]) : (A_t)0;
     A_t g = on ? SS_LD(gamma[ch]) : (A_t)0;  // every input of [c] read before any output
     A_t kd[SS_U], kx[SS_U];

@@ -1335,12 +1335,14 @@ def _attn_smem_optin(device_id: int) -> int:
         cache[device_id] = v = max(v, _SMEM_PLAIN)
     return v
 
+
 _ATTN_WARPS = 8  # warps per block of the fast kernels: one query row (and column) each
 _ATTN_BWD = (16, 2)
 """(warps, rows per warp at most) of the fast backward kernel: every block recomputes dot_i of all
 t rows, so fewer, larger blocks repeat less of it (8 warps of one row each, the first version,
 took 32.5 us a layer in the GPT step)."""
 _ATTN_ROWS = 16  # rows (and columns) per block of the global kernels, 4 warps
+_ATTN_GWARPS = 4
 
 
 def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int, warps: int | None = None):
@@ -1357,7 +1359,6 @@ def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int, warps: int | Non
         if smem <= limit:
             return nw, nw * max(1, min(_ATTN_BWD[1], t // (2 * nw))), smem
     return None
-_ATTN_GWARPS = 4
 
 
 def _attn_fn(name: str, fast: bool, t: int, x_dtype, a_dtype):
@@ -1407,6 +1408,7 @@ def _allow_smem(f, smem: int, device_id: int) -> bool:
             v = _SMEM_PLAIN
         allowed[key] = v
     return smem <= v
+
 
 _SRC["clip"] = r"""
 // sumsq = sumsq + sum(g^2): one block, thread t adds i = t, t + SS_B, ... in double, a fixed tree.
