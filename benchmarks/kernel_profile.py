@@ -49,6 +49,21 @@ def kernel_table(events: list[dict], steps: int) -> dict:
             "span_us_per_step": round(span, 2), "kernels": rows}
 
 
+def timeline(events: list[dict], steps: int, keep: int = 2) -> list[list]:
+    """The kernels of the last `keep` of `steps` profiled steps, in start order, as
+    [start µs from the first of them, duration µs, stream, name] rows: what a timeline shows,
+    small enough to commit.  The steps are cut by count (kernels per step = total / steps), so
+    they are whole steps when every step launches the same kernels.  Pure: no GPU needed."""
+    ks = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: float(e["ts"]))
+    if not ks or steps <= 0:
+        return []
+    per = len(ks) // steps
+    tail = ks[len(ks) - per * min(keep, steps):]
+    t0 = float(tail[0]["ts"])
+    return [[round(float(e["ts"]) - t0, 2), round(float(e["dur"]), 2),
+             (e.get("args") or {}).get("stream", e.get("tid")), e["name"][:80]] for e in tail]
+
+
 def kernel_profile(step, steps: int, path: str, label: str = "") -> dict:
     """Profile `steps` calls of `step()` (module docstring); write the table to `path` (JSON,
     with `label`) and return it.  Raises ImportError without torch."""
@@ -68,7 +83,7 @@ def kernel_profile(step, steps: int, path: str, label: str = "") -> dict:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(tmp)
-    table = dict(kernel_table(events, steps), label=label)
+    table = dict(kernel_table(events, steps), label=label, timeline=timeline(events, steps))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1)

@@ -109,6 +109,7 @@ difference) so that no variant is fast because it is wrong.  TF32 is off everywh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -1101,6 +1102,37 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
 # -- the run -----------------------------------------------------------------------------------
 
+EXTRA_ENV = {"_prio": {"STREAMSCHED_PRIORITIES": "slack"}, "_noprio": {"STREAMSCHED_PRIORITIES": "off"},
+             "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"}}
+"""Variants that differ from ss_step_five by one environment setting: critical-path priorities
+on / off (interp/priority.py; the one that is not the default runs), the skinny GEMMs off and
+with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`)."""
+
+
+def extra_differs(extra: str) -> bool:
+    """Whether the variant's setting differs from what ss_step_five runs with."""
+    from streamsched.interp.cuda.device import priorities_on
+
+    if extra in ("_prio", "_noprio"):
+        return (extra == "_prio") != priorities_on()
+    return all(os.environ.get(k, "1") != v for k, v in EXTRA_ENV[extra].items())
+
+
+@contextlib.contextmanager
+def variant_env(env: dict):
+    """The environment variables of `env` set for one variant, restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def ratio(a, b):
     if a is None or b is None or not b:
         return None
@@ -1196,18 +1228,23 @@ def run(args) -> dict:
                 traceback.print_exc()
         captures = [c for c in args.captures.split(",") if c]
         for capture, replay, extra in (("none", False, ""), ("graphs", False, ""), ("step", False, ""),
-                                       ("step", True, ""), ("step", False, "_nozero"), ("step", False, "_nofuse")):
+                                       ("step", True, ""), ("step", False, "_nozero"), ("step", False, "_nofuse"),
+                                       ("step", False, "_prio"), ("step", False, "_noprio"),
+                                       ("step", False, "_noskinny"), ("step", False, "_smalln")):
             if capture not in captures:
                 continue
             for streams in ("five", "one"):
                 vname = f"ss_{capture}_{streams}" + ("_replay" if replay else "") + extra
-                src = streams + ("" if extra == "_nofuse" else extra)
+                src = streams + ("" if extra == "_nofuse" or extra in EXTRA_ENV else extra)
                 if src not in spec or (extra == "_nozero" and args.quick):
                     continue
+                if extra in EXTRA_ENV and (streams == "one" or not extra_differs(extra)):
+                    continue  # a setting other than the default's, five streams only
                 try:
-                    res = ss_variant(spec[src], capture, spec, init, args, replay_only=replay,
-                                     fuse=extra != "_nofuse",
-                                     profile_as=f"{name}_{vname}" if capture == "step" else "")
+                    with variant_env(EXTRA_ENV.get(extra, {})):
+                        res = ss_variant(spec[src], capture, spec, init, args, replay_only=replay,
+                                         fuse=extra != "_nofuse",
+                                         profile_as=f"{name}_{vname}" if capture == "step" else "")
                 except Exception as exc:
                     traceback.print_exc()
                     res = {"skipped": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -29,3 +29,14 @@ def test_kernel_table_counts_only_kernels_and_sorts_by_time():
 def test_kernel_table_of_nothing():
     t = kernel_table([], steps=20)
     assert t["kernels"] == [] and t["kernels_per_step"] == 0 and t["span_us_per_step"] == 0.0
+
+
+def test_timeline_keeps_the_last_steps_in_start_order_with_their_streams():
+    from kernel_profile import timeline
+
+    ev = [{"cat": "kernel", "name": n, "ts": ts, "dur": 2.0, "args": {"stream": s}}
+          for n, ts, s in [("a", 10.0, 7), ("b", 11.0, 8), ("a", 30.0, 7), ("b", 31.5, 8), ("a", 50.0, 7), ("b", 50.5, 8)]]
+    ev.append({"cat": "cpu_op", "name": "x", "ts": 0.0, "dur": 1.0})
+    rows = timeline(list(reversed(ev)), steps=3, keep=2)
+    assert rows == [[0.0, 2.0, 7, "a"], [1.5, 2.0, 8, "b"], [20.0, 2.0, 7, "a"], [20.5, 2.0, 8, "b"]]
+    assert timeline([], steps=3) == []

@@ -155,6 +155,9 @@ class DeviceContext:
         self._h2d_fn = None
         self._lt_gemms: dict[tuple, Any] = {}
         self._tune_stream = None
+        self.close_hooks: list = []
+        """Callables hook(ctx) run by close(): what kernels cached for this context drops
+        (stdlib/kernels/gemm.py registers its cuBLASLt plans' forget_context)."""
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -496,12 +499,8 @@ class DeviceContext:
         try:
             self.synchronize()
         finally:
-            try:
-                from streamsched.stdlib.kernels.gemm import forget_context
-
-                forget_context(self)
-            except ImportError:  # pragma: no cover
-                pass
+            for hook in self.close_hooks:  # e.g. the GEMM epilogues' plans of this context
+                hook(self)
             if self.handles:
                 cb = cublas()
                 for h in self.handles.values():
@@ -621,3 +620,113 @@ def captured_dot(graph, path: str | None = None, verbose: bool = True) -> str:
     finally:
         if tmp is not None:
             os.unlink(tmp)
+
+
+# -- kernel priorities (interp/priority.py) ------------------------------------------------------
+
+USE_NODE_PRIORITY = 8
+"""cudaGraphInstantiateFlagUseNodePriority: run a graph with its kernel nodes' own priorities
+rather than the launch stream's (CUDA Runtime API, cudaGraphInstantiate)."""
+
+
+def priorities_on() -> bool:
+    """Whether captured kernels carry critical-path priorities (interp/priority.py): the
+    environment variable STREAMSCHED_PRIORITIES, "slack" (on) or "off" (the default); ValueError
+    for another value (`streamsched run` and `train()` refuse it first, with X004)."""
+    from streamsched.interp.priority import mode
+
+    return mode() == "slack"
+
+
+def instantiate_flags() -> int:
+    """The flags every streamsched graph is instantiated with: USE_NODE_PRIORITY when
+    priorities are on, else 0."""
+    return USE_NODE_PRIORITY if priorities_on() else 0
+
+
+def priority_range() -> tuple[int, int]:
+    """(least, greatest) stream priority of the current device (cudaDeviceGetStreamPriorityRange;
+    greatest is the numerically lowest, e.g. (0, -5) on the H200)."""
+    least, greatest = check(cudart().cudaDeviceGetStreamPriorityRange(), "cudaDeviceGetStreamPriorityRange")
+    return int(least), int(greatest)
+
+
+def level_priority(level: int, levels: int, rng: tuple[int, int]) -> int:
+    """The CUDA priority of slack level `level` (0 = most critical) of `levels`, spread over
+    `rng` = (least, greatest): level 0 -> greatest, the last level -> least."""
+    least, greatest = rng
+    if levels <= 1:
+        return greatest
+    return int(round(greatest + (least - greatest) * min(level, levels - 1) / (levels - 1)))
+
+
+def _priority_attr_forms(rt) -> list[tuple]:
+    """(attribute id, value class) pairs for cudaGraphKernelNodeSetAttribute's priority, the
+    most likely first: cuda-bindings 13 wants cudaKernelNodeAttrValue; the id enum has been
+    cudaKernelNodeAttrID and cudaLaunchAttributeID, its member cudaLaunchAttributePriority or
+    cudaKernelNodeAttributePriority."""
+    ids = []
+    for enum in ("cudaKernelNodeAttrID", "cudaLaunchAttributeID"):
+        e = getattr(rt, enum, None)
+        for member in ("cudaLaunchAttributePriority", "cudaKernelNodeAttributePriority"):
+            if e is not None and hasattr(e, member):
+                ids.append(getattr(e, member))
+    values = [getattr(rt, n) for n in ("cudaKernelNodeAttrValue", "cudaLaunchAttributeValue") if hasattr(rt, n)]
+    return [(a, v) for v in values for a in ids]
+
+
+def set_kernel_priorities(node_priority) -> int:
+    """Give each kernel node of `node_priority` (cudaGraphNode_t int -> CUDA priority) that
+    priority (cudaGraphKernelNodeSetAttribute, cudaLaunchAttributePriority); other node types
+    are left alone.  Returns how many nodes were set; raises CudaError on a failing call, or
+    TypeError when no form of the bindings' attribute types is accepted."""
+    rt = cudart()
+    kernel = rt.cudaGraphNodeType.cudaGraphNodeTypeKernel
+    forms = _priority_attr_forms(rt)
+    n = 0
+    for node, prio in node_priority.items():
+        if check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType") != kernel:
+            continue
+        err: Exception | None = None
+        for attr, value_cls in forms:
+            v = value_cls()
+            v.priority = int(prio)
+            try:
+                r = rt.cudaGraphKernelNodeSetAttribute(node, attr, v)
+            except TypeError as exc:
+                err = exc
+                continue
+            check(r, "cudaGraphKernelNodeSetAttribute")
+            forms = [(attr, value_cls)]  # the accepted form, for every other node
+            break
+        else:
+            raise TypeError(f"cudaGraphKernelNodeSetAttribute took no priority form: {err}")
+        n += 1
+    return n
+
+
+class PriorityGraph:
+    """A captured cupy.cuda.Graph instantiated again with USE_NODE_PRIORITY, so its kernel
+    nodes' priorities count; the same launch(stream) / upload(stream) as CuPy's Graph, and
+    `.graph` (the cudaGraph_t, owned by the CuPy Graph kept here)."""
+
+    def __init__(self, cupy_graph):
+        self.base = cupy_graph
+        self.graph = cupy_graph.graph
+        self._rt = cudart()
+        self.exec = check(self._rt.cudaGraphInstantiate(int(self.graph), USE_NODE_PRIORITY),
+                          "cudaGraphInstantiate (node priorities)")
+
+    def launch(self, stream) -> None:
+        check(self._rt.cudaGraphLaunch(self.exec, int(stream.ptr)), "cudaGraphLaunch")
+
+    def upload(self, stream) -> None:
+        check(self._rt.cudaGraphUpload(self.exec, int(stream.ptr)), "cudaGraphUpload")
+
+    def __del__(self):
+        ex, self.exec = getattr(self, "exec", None), None
+        if ex is not None:
+            try:
+                self._rt.cudaGraphExecDestroy(ex)
+            except Exception:
+                pass

@@ -70,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from streamsched.interp.cuda.device import check, cudart, cupy_module, mapped_pinned
+from streamsched.interp.cuda.device import check, cudart, cupy_module, instantiate_flags, mapped_pinned
 from streamsched.interp.training.options import MAX_EPOCHS_PER_LAUNCH
 
 _CHECK_SOURCE = r"""
@@ -512,7 +512,7 @@ class EpochEnds:
         finally:
             if gc_was:
                 gc.enable()
-        ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (a ring end)")
+        ge = check(rt.cudaGraphInstantiate(g, instantiate_flags()), "cudaGraphInstantiate (a ring end)")
         check(rt.cudaGraphUpload(ge, int(self.stream.ptr)), "cudaGraphUpload")
         self.ring_graphs[evaluate] = (g, ge)
         cp.cuda.Device().synchronize()
@@ -722,7 +722,7 @@ def _node_built(rt, build, upload_stream) -> tuple:
     finally:
         if gc_was:
             gc.enable()
-    ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
+    ge = check(rt.cudaGraphInstantiate(g, instantiate_flags()), "cudaGraphInstantiate (the epoch graph)")
     check(rt.cudaGraphUpload(ge, int(upload_stream.ptr)), "cudaGraphUpload")
     return g, ge
 
@@ -812,7 +812,7 @@ class EpochGraph:
         finally:
             if gc_was:
                 gc.enable()
-        ge = check(rt.cudaGraphInstantiate(g, 0), "cudaGraphInstantiate (the epoch graph)")
+        ge = check(rt.cudaGraphInstantiate(g, instantiate_flags()), "cudaGraphInstantiate (the epoch graph)")
         check(rt.cudaGraphUpload(ge, int(self.home.ptr)), "cudaGraphUpload")
         return g, ge
 

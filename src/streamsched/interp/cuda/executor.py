@@ -28,8 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from streamsched.interp.ir import HOST, Buffer, EventPlan, Instr, Schedule, Task, Unit
-from streamsched.interp.cuda.device import (DeviceContext, captured_dot, cupy_module,
-                                            graph_nodes_edges)
+from streamsched.interp.cuda.device import (DeviceContext, PriorityGraph, captured_dot, cupy_module,
+                                            graph_nodes_edges, level_priority, priorities_on,
+                                            priority_range, set_kernel_priorities)
+from streamsched.interp.priority import slack_levels, task_cost_us, unit_dag
+
+PRIORITY_LEVELS = 4
+"""Slack levels (interp/priority.py) spread over the device's priority range."""
 
 __all__ = ["CudaExecutor", "CudaTaskError", "Program", "events_bound_outside", "graph_nodes_edges",
            "captured_dot"]
@@ -185,6 +190,8 @@ class CudaExecutor:
         else:
             self._acc_tasks = frozenset()
         self._pool = cp.cuda.MemoryPool()  # temporaries of eager launches
+        self.task_priority: dict[int, int] = {}
+        """task id -> the CUDA priority its captured kernels carry (STREAMSCHED_PRIORITIES)."""
         self.graphs: dict[tuple, CapturedUnit] = {}
         self.unit_graph: dict[int, CapturedUnit] = {}
         self._programs: dict[tuple | None, Program] = {}
@@ -609,7 +616,8 @@ class CudaExecutor:
                     self._fork.record(home)
                     for s in secondary:
                         ctx.streams[s].wait_event(self._fork)
-                    mapper = _NodeMapper(ctx) if self.map_nodes and not raw else None
+                    prio = priorities_on()
+                    mapper = _NodeMapper(ctx) if (self.map_nodes and not raw) or prio else None
                     for ins in issue:
                         if ins.op == "launch":
                             b = self._bound[ins.task]
@@ -648,6 +656,10 @@ class CudaExecutor:
             if st.is_capturing():
                 raise CudaTaskError(f"stream {s} is still capturing after the unit's capture",
                                     unit=unit, phase="capture")
+        if prio and node_task:
+            self._prioritize(issue, node_task)
+            if not raw:
+                graph = PriorityGraph(graph)
         if not raw:
             graph.upload(home)
         # Re-recorded after the launch: only the events some wait outside this unit binds to (an
@@ -656,6 +668,19 @@ class CudaExecutor:
         post = {e for e in recorded if e in self._bound_outside}
         return CapturedUnit(graph, pool, home_name, tuple(pre_waits), tuple(sorted(post)),
                             tuple(tasks), task_nodes=task_nodes, node_task=node_task)
+
+    def _prioritize(self, issue: Sequence[Instr], node_task: dict[int, int]) -> None:
+        """Give every kernel node of a captured unit its task's critical-path priority
+        (interp/priority.py: slack on the unit's DAG, the roofline cost of each task)."""
+        order, preds = unit_dag(issue)
+        shapes = {n: tuple(b.shape) for n, b in self._buf.items()}
+        nbytes = {n: int(b.nbytes) for n, b in self._buf.items()}
+        tasks = self.schedule.tasks
+        cost = {t: task_cost_us(tasks[t], shapes, nbytes) for t in order}
+        levels = slack_levels(order, preds, cost, PRIORITY_LEVELS)
+        rng = priority_range()
+        self.task_priority.update({t: level_priority(lv, PRIORITY_LEVELS, rng) for t, lv in levels.items()})
+        set_kernel_priorities({nd: self.task_priority[t] for nd, t in node_task.items() if t in levels})
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -260,6 +260,14 @@ def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
     why = mode_error(os.environ.get(TUNE_ENV))
     if why:
         raise _x("X004", f"${TUNE_ENV}: {why}", help=f"unset it, or set {TUNE_ENV}=epilogues (the default), all or 0")
+    from streamsched.interp import priority  # NumPy-free leaves, no CuPy
+    from streamsched.stdlib.kernels._cuda import SKINNY_ENV, skinny_mode_error
+
+    for env, error, fix in ((priority.ENV, priority.mode_error, "off (the default) or slack"),
+                            (SKINNY_ENV, skinny_mode_error, "1 (the default), all or 0")):
+        why = error(os.environ.get(env))
+        if why:
+            raise _x("X004", f"${env}: {why}", help=f"unset it, or set {env}={fix}")
     return seed, epochs
 
 

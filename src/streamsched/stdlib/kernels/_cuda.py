@@ -109,6 +109,100 @@ extern "C" __global__ void ss_rowbcast(const T_t* a, const T_t* b, T_t* c, long 
     for (; r < r1; ++r) c[r * cols + k] = (T_t)ss_op((A_t)a[r * cols + k], bv, op);
 }
 
+// Skinny GEMMs, which are bound by memory, not by arithmetic (cuBLAS's heuristics tile them
+// like square ones: the classifier's input gradient [2048, 10] @ [10, 1024] took 34 us on the
+// H200, its memory traffic 3).  A(i, kk) = a[i * sa_i + kk * sa_k], B(kk, j) = b[kk * sb_k +
+// j * sb_j] (the strides say the transposes); c: C-contiguous [m, n]; each sum in kk order,
+// fused multiply-adds in A_t: bitwise the same from run to run.
+//
+// ss_gemm_smallk (k <= 32): block (tx, ty) owns columns bx*tx .. bx*tx+tx-1 and, in a
+// grid-stride loop, rows of ty at a time; it first copies B's k x tx tile into shared memory
+// (Bs[kk * tx + x]), then thread (x, y) keeps its row's k values of A in registers and adds
+// the k products of c[i, j] from the shared tile (consecutive x: consecutive banks), storing
+// rows of tx consecutive floats.  g, when not null, gates the result as relu_grad does:
+// c = g > 0 ? sum : 0 (g like c).
+extern "C" __global__ void ss_gemm_smallk(const T_t* a, const T_t* b, T_t* c, const T_t* g,
+                                          long long m, long long n, int k, long long sa_i,
+                                          long long sa_k, long long sb_k, long long sb_j) {
+    extern __shared__ unsigned char ss_smem[];
+    T_t* Bs = reinterpret_cast<T_t*>(ss_smem);
+    int tx = blockDim.x, ty = blockDim.y, x = threadIdx.x, y = threadIdx.y, ts = tx + 1;
+    long long j0 = (long long)blockIdx.x * tx, j = j0 + x;
+    // the tile is read in memory order (coalesced) whichever of B's strides is 1; Bs rows are
+    // padded to tx + 1 so that both the fill and the reads below hit distinct banks
+    for (int e = y * tx + x; e < k * tx; e += tx * ty) {
+        int kk, xx;
+        if (sb_k == 1) { xx = e / k; kk = e - xx * k; } else { kk = e / tx; xx = e - kk * tx; }
+        Bs[kk * ts + xx] = j0 + xx < n ? b[kk * sb_k + (j0 + xx) * sb_j] : (T_t)0;
+    }
+    __syncthreads();
+    if (j >= n) return;
+    for (long long i = (long long)blockIdx.y * ty + y; i < m; i += (long long)gridDim.y * ty) {
+        const T_t* pa = a + i * sa_i;
+        A_t av[32];
+#pragma unroll
+        for (int kk = 0; kk < 32; ++kk) av[kk] = kk < k ? (A_t)pa[kk * sa_k] : (A_t)0;
+        A_t acc = (A_t)0;
+#pragma unroll
+        for (int kk = 0; kk < 32; ++kk)
+            if (kk < k) acc = fma(av[kk], (A_t)Bs[kk * ts + x], acc);
+        if (g != nullptr && !((A_t)g[i * n + j] > (A_t)0)) acc = (A_t)0;
+        c[i * n + j] = (T_t)acc;
+    }
+}
+
+// ss_gemm_smalln (n <= 32, A's rows contiguous: sa_k == 1): warp w of block owns rows
+// blockIdx.x * 8 + w, stepping by gridDim.x * 8; B is brought into shared memory kc_max rows of
+// k at a time (Bs[r * ns + j], ns = n | 1 so that lanes reading row r, r + 1, ... hit distinct
+// banks); lane l adds the products of kk = l, l + 32, ... of each chunk for every column j (n
+// partial sums in registers), and each column's 32 partials are added by a fixed butterfly.
+extern "C" __global__ void ss_gemm_smalln(const T_t* a, const T_t* b, T_t* c, long long m, int n,
+                                          long long k, long long sa_i, long long sb_k,
+                                          long long sb_j, int kc_max) {
+    extern __shared__ unsigned char ss_smem[];
+    T_t* Bs = reinterpret_cast<T_t*>(ss_smem);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nt = blockDim.x;
+    int ns = n | 1;
+    for (long long i0 = (long long)blockIdx.x * 8; i0 < m; i0 += (long long)gridDim.x * 8) {
+        long long i = i0 + w;
+        A_t acc[32];
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) acc[jj] = (A_t)0;
+        for (long long k0 = 0; k0 < k; k0 += kc_max) {
+            int kc = (int)(k - k0 < kc_max ? k - k0 : kc_max);
+            __syncthreads();
+            for (int e = threadIdx.x; e < kc * n; e += nt) {
+                int r = e / n, jj = e - r * n;
+                Bs[r * ns + jj] = b[(k0 + r) * sb_k + jj * sb_j];
+            }
+            __syncthreads();
+            if (i < m) {
+                const T_t* pa = a + i * sa_i + k0;
+                for (int r = lane; r < kc; r += 32) {
+                    A_t av = (A_t)pa[r];
+                    const T_t* pb = Bs + r * ns;
+#pragma unroll
+                    for (int jj = 0; jj < 32; ++jj)
+                        if (jj < n) acc[jj] = fma(av, (A_t)pb[jj], acc[jj]);
+                }
+            }
+        }
+        if (i < m) {
+            A_t mine = (A_t)0;
+#pragma unroll
+            for (int jj = 0; jj < 32; ++jj) {
+                if (jj < n) {
+                    A_t v = acc[jj];
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (lane == jj) mine = v;
+                }
+            }
+            if (lane < n) c[i * n + lane] = (T_t)mine;
+        }
+    }
+}
+
 #ifdef SS_F32
 __device__ __forceinline__ float4 ss_op4(float4 a, float4 b, int op) {
     float4 r;
@@ -304,6 +398,112 @@ def _rowbcast(ctx, stream, a, b, out, op: int) -> bool:
     with _stream(ctx, stream):
         f((gx, gy, 1), (bx, 1, 1), (a, b, out, np.int64(rows), np.int64(width), np.int32(rpb), np.int32(op)))
     return True
+
+
+SKINNY_K = 32
+"""ss_gemm_smallk takes products whose contracted dimension is at most this."""
+SKINNY_N = 32
+"""ss_gemm_smalln takes products with at most this many output columns (and m >= SKINNY_ROWS)."""
+SKINNY_ROWS = 256
+SKINNY_MAX_OUT = 1 << 18
+"""ss_gemm_smallk takes outputs of at most this many elements.  Measured on the H200 (session 11,
+docs/performance.md): in the batch-128 MLP step the classifier's input gradient [128, 10] @
+[10, 1024] through it took the step from 111.8 to 105.6 us, while at batch 2048 ([2048, 10] @
+[10, 1024]: 51 us against cuBLAS's 29) and in resnet_digits' im2col products ([50176, 16] @
+[16, 144]: 220 against 17) it was slower; larger outputs stay on cuBLAS until it is not."""
+
+
+SKINNY_ENV = "STREAMSCHED_SKINNY_GEMM"
+"""`1` (the default, also empty): products with k <= SKINNY_K run ss_gemm_smallk; `all`: products
+with n <= SKINNY_N run ss_gemm_smalln too; `0`: every product runs cuBLAS.  Case and spaces are
+ignored; any other value is refused (X004)."""
+SKINNY_MODES = ("0", "1", "all")
+
+
+def skinny_mode_error(value: str | None) -> str:
+    """Why `value` is not a STREAMSCHED_SKINNY_GEMM value, or '' when it is one (None: unset)."""
+    if value is None or value.strip().lower() in SKINNY_MODES + ("",):
+        return ""
+    return f"`{value}` is not 1, all or 0"
+
+
+def _skinny_mode() -> str:
+    import os
+
+    v = os.environ.get(SKINNY_ENV)
+    why = skinny_mode_error(v)
+    if why:
+        raise ValueError(f"${SKINNY_ENV}: {why}")
+    return (v or "").strip().lower() or "1"
+
+
+def _skinny_on() -> bool:
+    return _skinny_mode() != "0"
+
+
+def _smalln_on() -> bool:
+    return _skinny_mode() == "all"
+
+
+def _skinny_gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
+    """c = op(a) @ op(b) (gated by relu_grad's rule, c = gate > 0 ? c : 0, when `gate` is given)
+    for f32 / f64 C-contiguous 2-D arrays when the product is skinny: k <= SKINNY_K
+    and m * n <= SKINNY_MAX_OUT (ss_gemm_smallk), or, with STREAMSCHED_SKINNY_GEMM=all, n <=
+    SKINNY_N with m >= SKINNY_ROWS and A's rows contiguous (ss_gemm_smalln, not ta; never gated).  False when the case is not one it covers (cuBLAS
+    then does it; STREAMSCHED_SKINNY_GEMM=0 sends every product there).  c must not overlap a,
+    b or gate (ValueError, as DeviceContext.gemm)."""
+    import numpy as np
+
+    if not _skinny_on() or a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
+        return False
+    dt = str(c.dtype)
+    if dt not in _DENSE or a.dtype != c.dtype or b.dtype != c.dtype:
+        return False
+    if not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous):
+        return False
+    if gate is not None and (gate.shape != c.shape or gate.dtype != c.dtype or not gate.flags.c_contiguous):
+        return False
+    m, k = (a.shape[1], a.shape[0]) if ta else a.shape
+    k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
+    if k != k2 or c.shape != (m, n) or m == 0 or n == 0 or k == 0:
+        return False
+    for x in (a, b) + ((gate,) if gate is not None else ()):
+        if _overlap(c.data.ptr, c.nbytes, x.data.ptr, x.nbytes):
+            raise ValueError("gemm: the output shares memory with an input")
+    sa_i, sa_k = (1, m) if ta else (k, 1)
+    sb_k, sb_j = (1, k) if tb else (n, 1)
+    sms = _sm_count(c.data.device_id)
+    item = c.dtype.itemsize
+    if k <= SKINNY_K and m * n <= SKINNY_MAX_OUT:
+        f = _function("dense", c.dtype, None, "ss_gemm_smallk")
+        tx = min(256 // max(1, item // 4), -(-n // 32) * 32) if n >= 32 else n
+        ty = max(1, 256 // tx)
+        gx = -(-n // tx)
+        gy = max(1, min(-(-m // ty), 65535, -(-8 * sms // gx)))
+        with _stream(ctx, stream):
+            f((gx, gy, 1), (tx, ty, 1), (a, b, c, np.uint64(0) if gate is None else gate, np.int64(m), np.int64(n),
+                                         np.int32(k), np.int64(sa_i), np.int64(sa_k), np.int64(sb_k), np.int64(sb_j)),
+              shared_mem=k * (tx + 1) * item)
+        return True
+    if gate is None and n <= SKINNY_N and m >= SKINNY_ROWS and not ta and _smalln_on():
+        f = _function("dense", c.dtype, None, "ss_gemm_smalln")
+        blocks = max(1, min(-(-m // 8), 8 * sms))  # 8 warps a block, a warp per row
+        kc = max(32, min(256, (32 << 10) // ((n | 1) * item)))  # B's chunk: at most 32 KiB
+        with _stream(ctx, stream):
+            f((blocks, 1, 1), (256, 1, 1), (a, b, c, np.int64(m), np.int32(n), np.int64(k),
+                                             np.int64(sa_i), np.int64(sb_k), np.int64(sb_j), np.int32(kc)),
+              shared_mem=kc * (n | 1) * item)
+        return True
+    return False
+
+
+def _gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False) -> None:
+    """c = op(a) @ op(b) for 2-D row-major arrays: `_skinny_gemm` where it applies, else the
+    stream's cuBLAS / cuBLASLt GEMM (`DeviceContext.gemm`, which raises ValueError on shapes
+    that do not fit or an output that overlaps an input)."""
+    if ctx is not None and _skinny_gemm(ctx, stream, a, b, c, ta, tb):
+        return
+    ctx.gemm(stream, a, b, c, ta, tb)
 
 
 def _same_or_copy(src, dst) -> None:

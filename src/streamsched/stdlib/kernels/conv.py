@@ -19,7 +19,7 @@ from streamsched.stdlib.kernels._base import (DocRow, Family, GradArgs, _acc, _a
                                               _floats, _fmt, _image, _int, _ints, _out_size, _pad, _rank,
                                               _scatter_windows, _shape, _window_fits, _windows, _write)
 from streamsched.stdlib.kernels._cuda import (_CLUSTER_PRE, _CNN_SRC, _acc_of, _cluster_tile, _cnn_fn, _colsum,
-                                              _contiguous, _disjoint, _go, _go_cluster, _grid, _i32, _stream)
+                                              _contiguous, _disjoint, _gemm, _go, _go_cluster, _grid, _i32, _stream)
 
 FAMILY = Family(__name__, "Convolution")
 _register = FAMILY.register
@@ -532,7 +532,7 @@ def _conv2d_gemm(ctx, stream, ins, outs, attrs):
     if y.size == 0:
         return
     cols = _im2col_cuda(ctx, stream, x, kh, kw, oh, ow, s, p)
-    ctx.gemm(stream, cols, w.reshape(kh * kw * c, k), y.reshape(n * oh * ow, k))
+    _gemm(ctx, stream, cols, w.reshape(kh * kw * c, k), y.reshape(n * oh * ow, k))
 
 
 def conv2d_grad_x_cuda(ctx, stream, ins, outs, attrs):
@@ -551,13 +551,13 @@ def _conv2d_grad_x_gemm(ctx, stream, ins, outs, attrs):
         return
     dy2, w2 = dy.reshape(n * oh * ow, k), w.reshape(kh * kw * c, k)
     if _is_pointwise(kh, kw, s, p):
-        ctx.gemm(stream, dy2, w2, dx.reshape(n * h * wd, c), tb=True)
+        _gemm(ctx, stream, dy2, w2, dx.reshape(n * h * wd, c), tb=True)
         return
     import cupy as cp
 
     with _stream(ctx, stream):
         dcols = cp.empty((n * oh * ow, kh * kw * c), dtype=dy.dtype)
-    ctx.gemm(stream, dy2, w2, dcols, tb=True)
+    _gemm(ctx, stream, dy2, w2, dcols, tb=True)
     name = "ss_col2im_3x3" if (kh, kw) == (3, 3) else "ss_col2im"
     _go(ctx, stream, _cnn_fn("col", name, X_t=dy.dtype), _grid(dx.size),
         (dcols, dx) + _i32(n, h, wd, c, kh, kw, oh, ow, s, p))
@@ -578,7 +578,7 @@ def _conv2d_grad_w_gemm(ctx, stream, ins, outs, attrs):
     if dw.size == 0:
         return
     cols = _im2col_cuda(ctx, stream, x, kh, kw, oh, ow, s, p)
-    ctx.gemm(stream, cols, dy.reshape(n * oh * ow, k), dw.reshape(kh * kw * c, k), ta=True)
+    _gemm(ctx, stream, cols, dy.reshape(n * oh * ow, k), dw.reshape(kh * kw * c, k), ta=True)
 
 
 _COLSUM_CHANNELS = 128

@@ -14,6 +14,7 @@ import numpy as np
 
 from streamsched.stdlib.kernel_record import KCall, KernelTypeError
 from streamsched.stdlib.kernels._base import STDLIB, DocRow, Family, GradArgs, _flag, _floats, _fmt
+from streamsched.stdlib.kernels._cuda import _gemm
 
 FAMILY = Family(__name__, "GEMM")
 _register = FAMILY.register
@@ -229,7 +230,7 @@ twins on y where cuBLASLt refuses either epilogue (a one-line notice).
 
 def matmul_cuda(ctx, stream, ins, outs, attrs):
     a, b = ins
-    ctx.gemm(stream, a, b, outs[0], bool(attrs.get("ta", False)), bool(attrs.get("tb", False)))
+    _gemm(ctx, stream, a, b, outs[0], bool(attrs.get("ta", False)), bool(attrs.get("tb", False)))
 
 
 # -- cuBLASLt epilogues ------------------------------------------------------------------------
@@ -299,6 +300,9 @@ def _lt_plan(ctx, stream, ins, outs, act, attrs=None):
             _lt_notice(f"cuBLASLt refused {_EPILOGUE[act][0]} for {ins[0].shape} @ {ins[1].shape}: "
                        f"{type(exc).__name__}: {exc}")
         _LT_PLANS[key] = plan
+        hooks = getattr(ctx, "close_hooks", None)
+        if hooks is not None and forget_context not in hooks:
+            hooks.append(forget_context)
     if act == "relu_aux":
         ptr = outs[1].data.ptr
         _LT_MASKS[ptr] = _LT_MASKS.get(ptr, True) and plan is not None

@@ -1,0 +1,142 @@
+"""The skinny GEMMs (stdlib/kernels/_cuda.py `_skinny_gemm`: ss_gemm_smallk for k <= 32,
+ss_gemm_smalln for n <= 32): every transpose against NumPy in float64, the relu gate, bitwise
+the same on every run, within rounding of cuBLAS, and which products take them.  Needs CuPy and
+a GPU (marker `cuda`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+SHAPES = [(2048, 10, 1024), (1, 1, 1), (300, 32, 17), (50176, 16, 144), (5, 7, 3), (2048, 1024, 10),
+          (50176, 144, 16), (257, 33, 32), (4096, 2000, 1)]
+
+
+def _operands(rng, m, k, n, ta, tb, dt):
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(dt)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(dt)
+    want = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+    scale = np.abs(a.T if ta else a).astype(np.float64) @ np.abs(b.T if tb else b).astype(np.float64)
+    return a, b, want, scale
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=str)
+@pytest.mark.parametrize("smalln", [False, True], ids=["default", "all"])
+def test_skinny_products_match_numpy_and_repeat_bitwise(cp, ctx, monkeypatch, m, k, n, ta, tb, dt, smalln):
+    monkeypatch.setenv("STREAMSCHED_SKINNY_GEMM", "all" if smalln else "1")
+    from streamsched.stdlib.kernels import _cuda
+    from streamsched.stdlib.kernels._cuda import SKINNY_K, SKINNY_N, SKINNY_ROWS, _skinny_gemm
+
+    monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)  # every size through the kernels here
+
+    rng = np.random.default_rng(m * 7 + k * 3 + n + 2 * ta + tb)
+    a, b, want, scale = _operands(rng, m, k, n, ta, tb, dt)
+    da, db = cp.asarray(a), cp.asarray(b)
+    c1, c2 = cp.full((m, n), 7, dt), cp.full((m, n), -3, dt)
+    cp.cuda.Device().synchronize()  # the fills ran on the legacy stream, which s0 / s1 do not wait for
+    took = _skinny_gemm(ctx, "s0", da, db, c1, ta, tb)
+    assert took == (k <= SKINNY_K or (smalln and n <= SKINNY_N and m >= SKINNY_ROWS and not ta))
+    if not smalln:  # the default's size cap: larger outputs stay on cuBLAS
+        monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 18)
+        assert _skinny_gemm(ctx, "s1", da, db, c2, ta, tb) == (k <= SKINNY_K and m * n <= 1 << 18)
+        monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)
+    if not took:
+        return
+    assert _skinny_gemm(ctx, "s1", da, db, c2, ta, tb)
+    ctx.synchronize()
+    got = cp.asnumpy(c1)
+    eps = 2e-6 if dt == np.float32 else 1e-14
+    assert np.all(np.abs(got - want) <= eps * (scale + 1e-30) * max(1.0, np.sqrt(k)))
+    assert np.array_equal(got, cp.asnumpy(c2))  # the same sums in the same order, on any stream
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (True, False)])
+def test_the_gate_is_relu_grads_rule(cp, ctx, ta, tb):
+    from streamsched.stdlib.kernels._cuda import _skinny_gemm
+
+    rng = np.random.default_rng(5)
+    m, k, n = 333, 10, 130
+    a, b, want, scale = _operands(rng, m, k, n, ta, tb, np.float32)
+    y = rng.standard_normal((m, n)).astype(np.float32)
+    y[0, :5] = [0.0, -0.0, np.nan, np.inf, -np.inf]
+    c = cp.zeros((m, n), np.float32)
+    cp.cuda.Device().synchronize()
+    assert _skinny_gemm(ctx, "s0", cp.asarray(a), cp.asarray(b), c, ta, tb, gate=cp.asarray(y))
+    ctx.synchronize()
+    got = cp.asnumpy(c)
+    keep = y > 0  # NaN > 0 is false: relu_grad's NumPy twin gates it out too
+    assert np.all(got[~keep] == 0)
+    assert np.all(np.abs(got[keep] - want[keep]) <= 2e-6 * (scale[keep] + 1e-30) * np.sqrt(k))
+
+
+def test_skinny_and_cublas_agree_within_rounding(cp, ctx, monkeypatch):
+    from streamsched.stdlib.kernels import _cuda
+    from streamsched.stdlib.kernels.gemm import matmul_cuda
+
+    monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)
+
+    rng = np.random.default_rng(1)
+    for (m, k, n, ta, tb) in [(2048, 10, 1024, False, True), (2048, 1024, 10, False, False),
+                              (50176, 16, 144, False, True)]:
+        a, b, want, scale = _operands(rng, m, k, n, ta, tb, np.float32)
+        outs = []
+        for on in ("all", "0"):
+            monkeypatch.setenv("STREAMSCHED_SKINNY_GEMM", on)
+            c = cp.zeros((m, n), np.float32)
+            cp.cuda.Device().synchronize()
+            matmul_cuda(ctx, "s0", [cp.asarray(a), cp.asarray(b)], [c], {"ta": ta, "tb": tb})
+            ctx.synchronize()
+            outs.append(cp.asnumpy(c))
+        assert np.all(np.abs(outs[0] - outs[1]) <= 4e-6 * scale * np.sqrt(k)), (m, k, n)
+
+
+def test_an_overlapping_output_is_refused(cp, ctx):
+    from streamsched.stdlib.kernels._cuda import _skinny_gemm
+
+    buf = cp.zeros((64, 64), np.float32)
+    with pytest.raises(ValueError, match="shares memory"):
+        _skinny_gemm(ctx, "s0", buf[:, :8].copy(), buf[:8, :], buf[:64, :], False, False)
+    with pytest.raises(ValueError, match="shares memory"):
+        _skinny_gemm(ctx, "s0", buf[:32].reshape(64, 32)[:, :8].copy(), cp.zeros((8, 64), np.float32),
+                     buf, False, False, gate=buf)
+
+
+def test_skinny_timing_against_cublas(cp, ctx, monkeypatch):
+    """Printed, not asserted (speed lives in benchmarks): µs of each product in a captured
+    graph of 20, the skinny kernel against cuBLAS."""
+    from streamsched.stdlib.kernels import _cuda
+    from streamsched.stdlib.kernels.gemm import matmul_cuda
+
+    monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)
+
+    rng = np.random.default_rng(2)
+    st = ctx.stream("s0")
+    for (m, k, n, ta, tb) in [(2048, 10, 1024, False, True), (2048, 1024, 10, False, False),
+                              (128, 10, 1024, False, True), (128, 1024, 10, False, False),
+                              (50176, 16, 144, False, True), (50176, 144, 16, False, False)]:
+        a, b, _, _ = _operands(rng, m, k, n, ta, tb, np.float32)
+        da, db = cp.asarray(a), cp.asarray(b)
+        row = []
+        for on in ("all", "0"):
+            monkeypatch.setenv("STREAMSCHED_SKINNY_GEMM", on)
+            c = cp.zeros((m, n), np.float32)
+            cp.cuda.Device().synchronize()
+            matmul_cuda(ctx, "s0", [da, db], [c], {"ta": ta, "tb": tb})
+            st.synchronize()
+            st.begin_capture()
+            for _ in range(20):
+                matmul_cuda(ctx, "s0", [da, db], [c], {"ta": ta, "tb": tb})
+            g = st.end_capture()
+            g.launch(st)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st)
+            for _ in range(5):
+                g.launch(st)
+            e1.record(st)
+            e1.synchronize()
+            row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
+        print(f"skinny {m}x{k}x{n} ta={ta} tb={tb}: {row[0]:.2f} us, cuBLAS {row[1]:.2f} us")
