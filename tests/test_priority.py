@@ -134,3 +134,16 @@ def test_the_accepted_spellings(monkeypatch, value, want):
     else:
         monkeypatch.setenv("STREAMSCHED_PRIORITIES", value)
     assert priority.mode() == want
+
+
+def test_attention_flops_count_each_context_product_once():
+    # b = 4 sequences of t = 64, d = 128 (any heads): one [t, t] x [t, dh] product over all
+    # sequences and heads is 2 * (b t) * t * d flops
+    shapes = {"q": (256, 128), "k": (256, 128), "v": (256, 128), "y": (256, 128), "p": (4, 8, 64, 64)}
+    one = 2 * 256 * 128 * 64
+    ctx = (("heads", 8), ("context", 64))
+    assert task_flops(Task(0, "attn_scores", "c1", args=("q", "k"), outs=("p",), attrs=ctx), shapes) == one
+    assert task_flops(Task(1, "attn_apply", "c1", args=("p", "v"), outs=("y",)), shapes) == one
+    assert task_flops(Task(2, "attn_fused", "c1", args=("q", "k", "v"), outs=("y", "p"), attrs=ctx), shapes) == 2 * one
+    grad = Task(3, "attn_fused_grad", "c1", args=("y", "q", "k", "v", "p"), outs=("q", "k", "v"), attrs=ctx)
+    assert task_flops(grad, shapes) == 5 * one

@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from streamsched.interp.env_choice import EnvChoice
+
 LAUNCH_US = 2.0
 """Fixed cost of one kernel in a replayed graph, µs (H200: ~1.1 µs launch, ~1 µs tail)."""
 FLOP_RATE = 40e6
@@ -42,28 +44,15 @@ BYTE_RATE = 2.5e6
 _GEMM_PREFIXES = ("matmul", "gemm")
 
 ENV = "STREAMSCHED_PRIORITIES"
+PRIORITIES = EnvChoice(ENV, ("off", "slack"), "off")
 """`slack`: every captured kernel carries its task's slack level as its CUDA priority (the graphs
 instantiated with cudaGraphInstantiateFlagUseNodePriority); `off` (the default, also empty):
 none does.  Case and surrounding spaces are ignored; any other value is refused (X004)."""
-MODES = ("off", "slack")
-
-
-def mode_error(value: str | None) -> str:
-    """Why `value` is not a STREAMSCHED_PRIORITIES value, or '' when it is one (None: unset)."""
-    if value is None or value.strip().lower() in MODES + ("",):
-        return ""
-    return f"`{value}` is not off or slack"
 
 
 def mode() -> str:
-    """STREAMSCHED_PRIORITIES as one of MODES (unset or empty: "off"); ValueError for another."""
-    import os
-
-    v = os.environ.get(ENV)
-    why = mode_error(v)
-    if why:
-        raise ValueError(f"${ENV}: {why}")
-    return (v or "").strip().lower() or "off"
+    """STREAMSCHED_PRIORITIES as "off" or "slack" (unset or empty: "off"); ValueError for another."""
+    return PRIORITIES.get()
 
 
 def unit_dag(instrs: Sequence) -> tuple[list[int], dict[int, set[int]]]:
@@ -105,8 +94,11 @@ def _gemm_flops(task, shapes: Mapping[str, tuple]) -> float:
 def task_flops(task, shapes: Mapping[str, tuple]) -> float:
     """Floating-point operations of one launch, where the kernel is a product: matmul and the
     fused GEMM epilogues (gemm_*: c = op(a) @ op(b), k = a's contracted dimension), conv2d and
-    its gradients as their im2col products, attention as its two products (4 b h t^2 dh for
-    q, k, v of shape [b, h, t, dh]); 0 for everything else (bytes decide those)."""
+    its gradients as their im2col products, attention's kernels (attn_*: q, k, v of shape [n, d],
+    n = b * t, t the context) as 2 n d t per [t, t] x [t, dh] product over all sequences and
+    heads: one for attn_scores, attn_apply and each attn_grad_*, two for attn_fused, five for
+    attn_fused_grad (dv, dp, dk, dq and the recomputed scores); 0 for everything else (bytes
+    decide those)."""
     kn = task.kernel
     try:
         if kn.startswith(_GEMM_PREFIXES):
@@ -116,12 +108,13 @@ def task_flops(task, shapes: Mapping[str, tuple]) -> float:
             return 2.0 * math.prod(yd) * math.prod(shapes[task.args[1]][:-1])
         if kn == "conv2d_grad_w":
             return 2.0 * math.prod(shapes[task.args[1]]) * math.prod(shapes[task.outs[0]][:-1])
-        if kn.startswith("attn") or kn.startswith("attention"):
-            q = shapes[task.args[0]]
-            t = q[-2] if len(q) >= 2 else 1
-            f = 4.0 * math.prod(q) * t
-            return 2.5 * f if "grad" in kn or "bwd" in kn else f
-    except (KeyError, IndexError, TypeError):
+        if kn.startswith("attn_"):
+            args = [shapes[a] for a in task.args]
+            nd = next(x for x in args if len(x) == 2)  # q, k, v, y or their gradients: [n, d]
+            ctx = task.attr("context", None) or next(x[-1] for x in args if len(x) == 4)  # p: [b, h, t, t]
+            one = 2.0 * nd[0] * nd[1] * ctx  # one [t, t] x [t, dh] product per sequence and head
+            return {"attn_fused": 2, "attn_fused_grad": 5}.get(kn, 1) * one
+    except (KeyError, IndexError, TypeError, StopIteration):
         return 0.0
     return 0.0
 

@@ -190,6 +190,9 @@ class CudaExecutor:
         else:
             self._acc_tasks = frozenset()
         self._pool = cp.cuda.MemoryPool()  # temporaries of eager launches
+        self.priorities = priorities_on()
+        """Whether captured kernels carry critical-path priorities (STREAMSCHED_PRIORITIES=slack,
+        read once here; ValueError for a value that is not off or slack)."""
         self.task_priority: dict[int, int] = {}
         """task id -> the CUDA priority its captured kernels carry (STREAMSCHED_PRIORITIES)."""
         self.graphs: dict[tuple, CapturedUnit] = {}
@@ -616,7 +619,7 @@ class CudaExecutor:
                     self._fork.record(home)
                     for s in secondary:
                         ctx.streams[s].wait_event(self._fork)
-                    prio = priorities_on()
+                    prio = self.priorities
                     mapper = _NodeMapper(ctx) if (self.map_nodes and not raw) or prio else None
                     for ins in issue:
                         if ins.op == "launch":

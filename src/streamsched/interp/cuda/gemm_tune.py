@@ -54,11 +54,12 @@ attributes, cublasLtReductionScheme_t), CUDA Programming Guide on stream capture
 
 from __future__ import annotations
 
-import os
 
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from streamsched.interp.env_choice import EnvChoice
 
 CANDIDATES = 16
 """How many of cuBLASLt's heuristic candidates are timed."""
@@ -82,29 +83,23 @@ _HEUR = np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64), ("st
 
 
 TUNE_MODES = ("0", "epilogues", "all")
+TUNE_ENV = "STREAMSCHED_GEMM_TUNE"
+TUNE = EnvChoice(TUNE_ENV, TUNE_MODES, "epilogues", {"1": "epilogues"})
 """STREAMSCHED_GEMM_TUNE: time no problem, the epilogue GEMMs' problems (the default), or all;
 `1` and an empty value are read as `epilogues` (case and surrounding spaces are ignored); any
 other value is refused."""
-TUNE_ENV = "STREAMSCHED_GEMM_TUNE"
 
 
 def mode_error(value: str | None) -> str:
     """Why `value` is not a STREAMSCHED_GEMM_TUNE value, or '' when it is one (None or empty:
     unset)."""
-    if value is None or value.strip().lower() in TUNE_MODES + ("1", ""):
-        return ""
-    return f"`{value}` is not 0, epilogues or all"
+    return TUNE.error(value)
 
 
 def mode() -> str:
     """STREAMSCHED_GEMM_TUNE as one of TUNE_MODES (unset: "epilogues"); ValueError for any other
     value (`streamsched run` and `train()` refuse it first, with X004)."""
-    v = os.environ.get(TUNE_ENV)
-    why = mode_error(v)
-    if why:
-        raise ValueError(f"${TUNE_ENV}: {why}")
-    v = (v or "").strip().lower()
-    return "epilogues" if v in ("", "1") else v
+    return TUNE.get()
 
 
 def enabled(kind: str = "plain") -> bool:

@@ -255,20 +255,22 @@ def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
     if why:
         raise _x("X004", f"--epoch-launch: {why}", help="--epoch-launch auto, epoch, step or a number of epochs, "
                                                         "e.g. `--epoch-launch 4`")
-    from streamsched.interp.cuda.gemm_tune import TUNE_ENV, mode_error  # a leaf: NumPy only, no CuPy
-
-    why = mode_error(os.environ.get(TUNE_ENV))
-    if why:
-        raise _x("X004", f"${TUNE_ENV}: {why}", help=f"unset it, or set {TUNE_ENV}=epilogues (the default), all or 0")
-    from streamsched.interp import priority  # NumPy-free leaves, no CuPy
-    from streamsched.stdlib.kernels._cuda import SKINNY_ENV, skinny_mode_error
-
-    for env, error, fix in ((priority.ENV, priority.mode_error, "off (the default) or slack"),
-                            (SKINNY_ENV, skinny_mode_error, "1 (the default), all or 0")):
-        why = error(os.environ.get(env))
+    for choice in env_choices():
+        why = choice.error(os.environ.get(choice.name))
         if why:
-            raise _x("X004", f"${env}: {why}", help=f"unset it, or set {env}={fix}")
+            raise _x("X004", f"${choice.name}: {why}", help=choice.help())
     return seed, epochs
+
+
+def env_choices() -> tuple:
+    """The CUDA backend's environment settings (interp/env_choice.py), each refused with X004
+    before a run when it says something else: GEMM timing, kernel priorities, skinny products.
+    Their modules are leaves (NumPy only, no CuPy)."""
+    from streamsched.interp.cuda.gemm_tune import TUNE
+    from streamsched.interp.priority import PRIORITIES
+    from streamsched.stdlib.kernels._cuda import SKINNY
+
+    return TUNE, PRIORITIES, SKINNY
 
 
 def epoch_launch_error(value) -> str:

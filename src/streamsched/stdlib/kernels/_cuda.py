@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from streamsched.interp.env_choice import EnvChoice
+
 _K: dict[str, Any] = {}
 
 
@@ -414,35 +416,18 @@ docs/performance.md): in the batch-128 MLP step the classifier's input gradient 
 
 
 SKINNY_ENV = "STREAMSCHED_SKINNY_GEMM"
+SKINNY = EnvChoice(SKINNY_ENV, ("1", "all", "0"), "1")
 """`1` (the default, also empty): products with k <= SKINNY_K run ss_gemm_smallk; `all`: products
 with n <= SKINNY_N run ss_gemm_smalln too; `0`: every product runs cuBLAS.  Case and spaces are
 ignored; any other value is refused (X004)."""
-SKINNY_MODES = ("0", "1", "all")
-
-
-def skinny_mode_error(value: str | None) -> str:
-    """Why `value` is not a STREAMSCHED_SKINNY_GEMM value, or '' when it is one (None: unset)."""
-    if value is None or value.strip().lower() in SKINNY_MODES + ("",):
-        return ""
-    return f"`{value}` is not 1, all or 0"
-
-
-def _skinny_mode() -> str:
-    import os
-
-    v = os.environ.get(SKINNY_ENV)
-    why = skinny_mode_error(v)
-    if why:
-        raise ValueError(f"${SKINNY_ENV}: {why}")
-    return (v or "").strip().lower() or "1"
 
 
 def _skinny_on() -> bool:
-    return _skinny_mode() != "0"
+    return SKINNY.get() != "0"
 
 
 def _smalln_on() -> bool:
-    return _skinny_mode() == "all"
+    return SKINNY.get() == "all"
 
 
 def _skinny_gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
