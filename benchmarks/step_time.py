@@ -1102,6 +1102,9 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
 # -- the run -----------------------------------------------------------------------------------
 
+EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln")
+"""The suffixed ss_step_five variants (--extras): gradients not cleared, fusion off, and EXTRA_ENV's."""
+
 EXTRA_ENV = {"_prio": {"STREAMSCHED_PRIORITIES": "slack"}, "_noprio": {"STREAMSCHED_PRIORITIES": "off"},
              "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"}}
 """Variants that differ from ss_step_five by one environment setting: critical-path priorities
@@ -1227,11 +1230,10 @@ def run(args) -> dict:
             except Exception:
                 traceback.print_exc()
         captures = [c for c in args.captures.split(",") if c]
+        extras = {e for e in args.extras.split(",") if e}
         for capture, replay, extra in (("none", False, ""), ("graphs", False, ""), ("step", False, ""),
-                                       ("step", True, ""), ("step", False, "_nozero"), ("step", False, "_nofuse"),
-                                       ("step", False, "_prio"), ("step", False, "_noprio"),
-                                       ("step", False, "_noskinny"), ("step", False, "_smalln")):
-            if capture not in captures:
+                                       ("step", True, "")) + tuple(("step", False, e) for e in EXTRAS):
+            if capture not in captures or (extra and extra not in extras):
                 continue
             for streams in ("five", "one"):
                 vname = f"ss_{capture}_{streams}" + ("_replay" if replay else "") + extra
@@ -1493,6 +1495,9 @@ def main() -> None:
                     help="start the peers' compiles only after every other variant has been timed (slower; no "
                          "compile competes with the host side of the timed steps)")
     ap.add_argument("--quick", action="store_true", help="leave out the _nozero variants")
+    ap.add_argument("--extras", default=",".join(EXTRAS),
+                    help="the suffixed whole-step variants to run, of " + ", ".join(EXTRAS) +
+                         " (comma-separated; default all; empty: ss_step_five and ss_step_one only)")
     ap.add_argument("--trace-dir", default="",
                     help="also write gated timelines of the MLP 784 and gpt_text steps here")
     ap.add_argument("--profile-dir", default="",
@@ -1500,6 +1505,9 @@ def main() -> None:
                          "profile 20 more steps with CUPTI and write the per-kernel table to DIR/<model>_<variant>.json "
                          "(benchmarks/kernel_profile.py)")
     args = ap.parse_args()
+    unknown = sorted({e for e in args.extras.split(",") if e} - set(EXTRAS))
+    if unknown:
+        ap.error(f"--extras: unknown variant(s) {', '.join(unknown)}; the variants are {', '.join(EXTRAS)}")
     if args.profile_dir:
         os.environ[PROFILE_ENV] = os.path.abspath(args.profile_dir)  # the peer processes inherit it
     args.compile_spent = 0.0

@@ -268,25 +268,25 @@ def test_softmax_xent_fused_matches_the_numpy_twin_and_the_unfused_pair(cp, ctx,
 GEMMS = [(128, 784, 1024), (2048, 1024, 1024), (128, 1024, 10), (1024, 64, 256), (5, 3, 8)]
 
 
-@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("act", ["bias", "relu", "gelu"])
 @pytest.mark.parametrize("m,k,n", GEMMS, ids=str)
 def test_gemm_epilogue_matches_the_numpy_twin_and_the_unfused_kernels(cp, ctx, act, m, k, n):
-    """gemm_bias_relu / gemm_bias_gelu through cuBLASLt (or its unfused fallback, said once on
+    """gemm_bias / gemm_bias_relu / gemm_bias_gelu through cuBLASLt (or its unfused fallback, said once on
     stderr) against the NumPy twin: f32, rtol 1e-5 of the largest |value| (the GEMM's summation
     order differs from NumPy's, and cuBLASLt's GELU is the tanh form in its own arithmetic); the
     GELU's aux output (the pre-activation) too."""
-    from streamsched.stdlib.kernels.gemm import _LT_PLANS, gemm_bias_gelu_cuda, gemm_bias_relu_cuda
+    from streamsched.stdlib.kernels.gemm import _LT_PLANS, gemm_bias_cuda, gemm_bias_gelu_cuda, gemm_bias_relu_cuda
 
     rng = np.random.default_rng(11)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
-    name = f"gemm_bias_{act}"
+    name = "gemm_bias" if act == "bias" else f"gemm_bias_{act}"
     want = [np.empty((m, n), np.float32) for _ in KERNELS[name].outputs]
     KERNELS[name].cpu([x, w, b], want, {})
     X, W, B = cp.asarray(x), cp.asarray(w), cp.asarray(b)
     outs = [cp.zeros((m, n), cp.float32) for _ in want]
-    fn = gemm_bias_relu_cuda if act == "relu" else gemm_bias_gelu_cuda
+    fn = {"bias": gemm_bias_cuda, "relu": gemm_bias_relu_cuda, "gelu": gemm_bias_gelu_cuda}[act]
     fn.prepare(ctx, "s0", [X, W, B], outs, {})
     fn(ctx, "s0", [X, W, B], outs, {})
     fn(ctx, "s0", [X, W, B], outs, {})  # twice: the plan is reused, the result the same
@@ -302,7 +302,8 @@ def test_gemm_epilogues_run_through_cublaslt_on_the_h200(cp, ctx):
     """On the H200 the f32 cases of the MLP and GPT steps are cuBLASLt launches, not the fallback."""
     from streamsched.stdlib.kernels.gemm import _lt_plan
 
-    for act, (m, k, n) in (("relu", (128, 784, 1024)), ("gelu", (1024, 64, 256))):
+    for act, (m, k, n) in (("relu", (128, 784, 1024)), ("gelu", (1024, 64, 256)), ("bias", (1024, 64, 192)),
+                           ("bias", (128, 1024, 10))):
         X, W, B = cp.zeros((m, k), cp.float32), cp.zeros((k, n), cp.float32), cp.zeros((n,), cp.float32)
         outs = [cp.zeros((m, n), cp.float32) for _ in (range(2) if act == "gelu" else range(1))]
         assert _lt_plan(ctx, "s0", [X, W, B], outs, act) is not None, act
@@ -434,3 +435,21 @@ def test_backward_epilogues_run_through_cublaslt_on_the_h200(cp, ctx, monkeypatc
                 assert _LT_MASKS[outs[1].data.ptr] is True
             seen.add(act)
     assert seen == {"relu_aux", "drelu", "dgelu"}
+
+
+@pytest.mark.parametrize("m,p,n", BWD, ids=str)
+def test_gemm_drelu_matches_the_numpy_twin(cp, ctx, m, p, n):
+    """gemm_drelu (the gated product where the forward wrote y's mask): cuBLASLt's DRELU epilogue,
+    or the skinny gate for p <= 32, against the NumPy twin (dpre within 1e-5 of its largest
+    |value|); on the H200 the f32 MLP case is a cuBLASLt launch, not the fallback."""
+    from streamsched.stdlib.kernels.gemm import _lt_plan, gemm_drelu_cuda
+
+    dev, want = _bwd_case(cp, ctx, "relu", m, p, n)
+    out = cp.zeros((m, n), cp.float32)
+    at = {"ta": False, "tb": True}
+    gemm_drelu_cuda.prepare(ctx, "s0", dev, [out], at)
+    gemm_drelu_cuda(ctx, "s0", dev, [out], at)
+    ctx.stream("s0").synchronize()
+    np.testing.assert_allclose(cp.asnumpy(out), want[0], rtol=0, atol=1e-5 * max(1.0, float(np.abs(want[0]).max())))
+    if (m, p, n) == (2048, 1024, 1024):
+        assert _lt_plan(ctx, "s0", dev, [out], "drelu_only", at) is not None

@@ -42,7 +42,8 @@ def test_skinny_products_match_numpy_and_repeat_bitwise(cp, ctx, monkeypatch, m,
     assert took == (k <= SKINNY_K or (smalln and n <= SKINNY_N and m >= SKINNY_ROWS and not ta))
     if not smalln:  # the default's size cap: larger outputs stay on cuBLAS
         monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 18)
-        assert _skinny_gemm(ctx, "s1", da, db, c2, ta, tb) == (k <= SKINNY_K and m * n <= 1 << 18)
+        wide = _cuda._smallk_columns(n) == 4 and k <= 16  # a 128-column tile and a short sum
+        assert _skinny_gemm(ctx, "s1", da, db, c2, ta, tb) == (k <= SKINNY_K and (m * n <= 1 << 18 or wide))
         monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)
     if not took:
         return
@@ -117,7 +118,11 @@ def test_skinny_timing_against_cublas(cp, ctx, monkeypatch):
     st = ctx.stream("s0")
     for (m, k, n, ta, tb) in [(2048, 10, 1024, False, True), (2048, 1024, 10, False, False),
                               (128, 10, 1024, False, True), (128, 1024, 10, False, False),
-                              (50176, 16, 144, False, True), (50176, 144, 16, False, False)]:
+                              (50176, 16, 144, False, True), (50176, 144, 16, False, False),
+                              (50176, 9, 16, False, False), (50176, 16, 144, True, False),
+                              (4096, 32, 512, False, True), (2048, 16, 1024, False, True),
+                              (2048, 32, 1024, False, True), (8192, 10, 1024, False, True),
+                              (4096, 10, 256, False, True), (1024, 64, 10, False, False)]:
         a, b, _, _ = _operands(rng, m, k, n, ta, tb, np.float32)
         da, db = cp.asarray(a), cp.asarray(b)
         row = []
@@ -140,3 +145,33 @@ def test_skinny_timing_against_cublas(cp, ctx, monkeypatch):
             e1.synchronize()
             row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
         print(f"skinny {m}x{k}x{n} ta={ta} tb={tb}: {row[0]:.2f} us, cuBLAS {row[1]:.2f} us")
+
+
+@pytest.mark.parametrize("cap", [1 << 18, 1 << 30], ids=["cap", "nocap"])
+@pytest.mark.parametrize("m,k,n,ta,tb", [(2048, 10, 1024, False, True), (128, 10, 1024, False, True),
+                                         (300, 32, 17, True, False), (128, 256, 256, False, True),
+                                         (64, 33, 40, True, True)], ids=str)
+def test_gemm_relu_grad_is_bitwise_matmul_then_relu_grad(cp, ctx, monkeypatch, cap, m, k, n, ta, tb):
+    """The fusion pass's gated product (gemm_relu_grad) against the pair it replaces, run by
+    their own CUDA twins: bitwise, whether the skinny kernel gates it or cuBLAS and relu_grad run."""
+    from streamsched.stdlib.kernels import _cuda
+    from streamsched.stdlib.kernels.elementwise import relu_grad_cuda
+    from streamsched.stdlib.kernels.gemm import gemm_relu_grad_cuda, matmul_cuda
+
+    monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", cap)
+    rng = np.random.default_rng(m + k + n)
+    a, b, want, scale = _operands(rng, m, k, n, ta, tb, np.float32)
+    y = rng.standard_normal((m, n)).astype(np.float32)
+    y[0, :4] = [0.0, -0.0, np.nan, -1.0]
+    da, db, dy = cp.asarray(a), cp.asarray(b), cp.asarray(y)
+    t, ref, got = cp.full((m, n), 5, np.float32), cp.full((m, n), 6, np.float32), cp.full((m, n), 7, np.float32)
+    cp.cuda.Device().synchronize()
+    at = {"ta": ta, "tb": tb}
+    matmul_cuda(ctx, "s0", [da, db], [t], at)
+    relu_grad_cuda(ctx, "s0", [t, dy], [ref], {})
+    gemm_relu_grad_cuda(ctx, "s1", [da, db, dy], [got], at)
+    ctx.synchronize()
+    g, r = cp.asnumpy(got), cp.asnumpy(ref)
+    assert np.array_equal(g.view(np.uint32), r.view(np.uint32))
+    keep = y > 0
+    assert np.all(g[~keep] == 0) and np.all(np.abs(g[keep] - want[keep]) <= 2e-6 * (scale[keep] + 1e-30) * np.sqrt(k))

@@ -112,7 +112,7 @@ def _backward_parts(schedule, task_ids):
     """layer -> {"dw"|"db"|"dx": task id} for the linear backward tasks among `task_ids`."""
     parts: dict[str, dict[str, int]] = {}
     for tid in task_ids:
-        m = re.search(r"linear\.backward@(\S+)\.(dw|db|dx)$", schedule.tasks[tid].label or "")
+        m = re.search(r"linear\.backward@(\S+)\.(dw|db|dx)(?: \+\w+)*$", schedule.tasks[tid].label or "")
         if m:
             parts.setdefault(m.group(1), {})[m.group(2)] = tid
     return parts

@@ -39,7 +39,9 @@ def _recount(schedule) -> int:
     stream, unit, step, launch and attributes (fill's shape and dtype aside), sharing the shared
     scalars, each with tensors of its own; the GEMM epilogues forward, and backward (a GEMM, its
     activation gradient next, the bias gradient the first later sum of that, nothing between
-    touching what it reads or writes; relu only where the forward relu fused)."""
+    touching what it reads or writes; relu only where the forward relu fused), and a GEMM with
+    relu_grad next that the backward epilogues left (the gated product), and a GEMM with its bias
+    add next and no activation after (gemm_bias)."""
     def sig(t):
         si, so = FUSIBLE[t.kernel]
         at = tuple(sorted((k, v) for k, v in t.attrs if not (t.kernel == "fill" and k in ("shape", "dtype"))))
@@ -56,7 +58,7 @@ def _recount(schedule) -> int:
     for t in tasks:
         for a in t.args:
             readers.setdefault(a, set()).add(t.kernel)
-    relu_out = set()
+    relu_out, triple = set(), set()
     for i in range(len(tasks) - 2):
         a, b, c = tasks[i:i + 3]
         if a.kernel == "matmul" and not any(v for _, v in a.attrs) and b.kernel == "add" and c.kernel in ("relu", "gelu") \
@@ -66,11 +68,27 @@ def _recount(schedule) -> int:
             folded += 2
             if c.kernel == "relu":
                 relu_out.add(c.outs[0])
+            triple.add(i)
+    bias_shape = {b.name: b.shape for b in schedule.buffers}
+    for i in range(len(tasks) - 1):  # a bias add with no activation the epilogue takes next
+        a, b = tasks[i:i + 2]
+        c = tasks[i + 2] if i + 2 < len(tasks) else None
+        if i in triple or a.kernel != "matmul" or any(v for _, v in a.attrs) or b.kernel != "add" \
+                or b.args[0] != a.outs[0] or readers[a.outs[0]] != {"add"} or (a.unit, a.step, a.launch) != (b.unit, b.step, b.launch) \
+                or bias_shape[b.args[1]] != bias_shape[a.outs[0]][1:]:
+            continue
+        if c is not None and c.kernel in ("relu", "gelu") and c.args == b.outs and (c.unit, c.step) == (a.unit, a.step):
+            continue  # the triple's rule decides (it may keep them apart)
+        if schedule.policy == "explicit" and a.stream != b.stream:
+            continue
+        if b.site is not None and b.site.placed and b.stream != a.stream:
+            continue
+        folded += 1
     writers = {}
     for t in tasks:
         for o in t.outs:
             writers.setdefault(o, set()).add(t.kernel)
-    reach = -1
+    reach, bwd = -1, set()
     for i in range(len(tasks) - 2):
         a, b = tasks[i], tasks[i + 1]
         if i <= reach or a.kernel != "matmul" or b.kernel not in ("relu_grad", "gelu_grad") or b.args[0] != a.outs[0] \
@@ -92,6 +110,16 @@ def _recount(schedule) -> int:
             continue
         folded += 2
         reach = later[0]
+        bwd.add(i)
+    for i in range(len(tasks) - 1):  # gated products: what the backward epilogues leave
+        a, b = tasks[i], tasks[i + 1]
+        if i in bwd or a.kernel != "matmul" or b.kernel != "relu_grad" or b.args[0] != a.outs[0] \
+                or readers[a.outs[0]] != {"relu_grad"} or (a.unit, a.step, a.launch) != (b.unit, b.step, b.launch):
+            continue
+        if (schedule.policy == "explicit" and a.stream != b.stream) or (
+                b.site is not None and b.site.placed and b.stream != a.stream):
+            continue
+        folded += 1
     for t in schedule.tasks:
         if t.id in pairs:
             continue
@@ -162,6 +190,17 @@ def test_fused_tasks_have_the_union_of_their_parts_accesses_and_keep_order():
             assert set(mask) <= written  # the forward of this step wrote it
             assert dict(t.attrs) == {"ta": bool(a.attr("ta")), "tb": bool(a.attr("tb"))}
             n_bwd += 1
+            continue
+        if t.kernel == "gemm_bias":
+            a, b = nxt(), nxt()
+            assert (a.kernel, b.kernel) == ("matmul", "add") and t.args == a.args + b.args[1:] and t.outs == b.outs
+            continue
+        if t.kernel in ("gemm_relu_grad", "gemm_drelu"):
+            a, g = nxt(), nxt()
+            mask = t.args[3:] if t.kernel == "gemm_drelu" else ()
+            assert set(mask) <= written  # the forward of this step wrote it
+            assert (a.kernel, g.kernel) == ("matmul", "relu_grad") and t.args == a.args + g.args[1:] + mask
+            assert t.outs == g.outs and dict(t.attrs) == {"ta": bool(a.attr("ta")), "tb": bool(a.attr("tb"))}
             continue
         if t.kernel == "softmax_xent_fused":
             a, b = nxt(), nxt()
@@ -383,8 +422,10 @@ def test_a_gradient_the_user_placed_on_another_stream_is_never_moved(place, fuse
     c = compile_file("gen.sched", text)
     assert c.ok
     assert {lab for _, lab in _bwd(c.schedule)} == fuses
-    if not fuses:
-        assert any(t.kernel == "relu_grad" for t in c.schedule.tasks)
+    if not fuses:  # the gated product takes relu_grad into the GEMM only on the GEMM's stream
+        kinds = {t.kernel for t in c.schedule.tasks}
+        assert ("relu_grad" in kinds) == place.startswith("place relu.backward")
+        assert ("gemm_relu_grad" in kinds) == (not place.startswith("place relu.backward"))
 
 
 def test_explicit_policy_fuses_the_backward_only_on_one_stream():
@@ -415,6 +456,90 @@ def test_a_gelu_mlp_fuses_forward_and_backward_and_trains_bitwise_the_unfused():
     for how, got in interleavings(fused, max_steps=4):
         assert got[1] == (), how
         assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated products: matmul -> relu_grad into one gemm_relu_grad (what the backward epilogues leave)
+
+
+def _gated(schedule):
+    """{(step, dX label)} of the gated products of `schedule`."""
+    return {(t.step, t.label.split(": ")[-1].split(" +")[0]) for t in schedule.tasks
+            if t.kernel in ("gemm_relu_grad", "gemm_drelu")}
+
+
+def test_gated_products_take_every_relu_layer_when_the_backward_epilogues_are_off(monkeypatch):
+    monkeypatch.setenv("STREAMSCHED_BWD_EPILOGUES", "0")
+    c = compile_file(MLP)
+    assert _gated(c.schedule) == {(s, lab) for s in range(c.schedule.steps)
+                                  for lab in ("linear.backward@logits.dx", "linear.backward@h2.dx")}
+    t = next(t for t in c.schedule.tasks if t.kernel == "gemm_relu_grad" and t.step == 0)
+    assert t.args == ("d(logits)", "logits.w", "a2") and t.outs == ("d(h2)",) and dict(t.attrs) == {"ta": False, "tb": True}
+    assert {t.kernel for t in c.schedule.tasks if t.label.endswith("+relu_grad")} == {"gemm_relu_grad"}
+    assert not any("mask" in b.name for b in c.schedule.buffers)  # the forward writes no relu mask
+
+
+def test_with_backward_epilogues_on_what_they_leave_of_a_wide_layer_takes_drelu():
+    """db placed on comp2 keeps the backward epilogues apart (the user's stream); with them on
+    (the autouse fixture), the pairs they leave become gated products: the classifier's (k = 10)
+    the skinny gate, the hidden layer's (k = 256) cuBLASLt's DRELU on the forward's mask."""
+    text = _mlp_text().replace("\ntrain {", "\nplace linear.backward.db on comp2\n\ntrain {")
+    c = compile_file("gen.sched", text)
+    assert c.ok and not _bwd(c.schedule)
+    got = {(t.step, t.label.split(": ")[-1].split(" +")[0]): t for t in c.schedule.tasks
+           if t.kernel in ("gemm_relu_grad", "gemm_drelu")}
+    assert {k[1] for k in got} == {"linear.backward@logits.dx", "linear.backward@h2.dx"}
+    assert got[(0, "linear.backward@logits.dx")].kernel == "gemm_relu_grad"
+    d = got[(0, "linear.backward@h2.dx")]
+    assert d.kernel == "gemm_drelu" and d.args == ("d(h2)", "h2.w", "a1", "relu_mask(a1)") and d.outs == ("d(h1)",)
+    assert all(u.kernel == "gemm_bias_relu_aux" and u.outs == ("a1", "relu_mask(a1)")
+               for u in c.schedule.tasks if "relu_mask(a1)" in u.outs)
+    assert {u.step for u in c.schedule.tasks if u.kernel == "gemm_bias_relu_aux"} == set(range(c.schedule.steps))
+    plain = compile_file("gen.sched", text, fuse=False)
+    want = outcome(plain, max_steps=4)
+    for how, res in interleavings(c, max_steps=4):
+        assert res[1] == () and res[0] == want[0], f"{how}: {differ(res[0], want[0])}"
+    assert not any(t.kernel == "relu_grad" for t in c.schedule.tasks)
+    assert not any("d(a2)" in t.args + t.outs for t in c.schedule.tasks)  # dy: nothing reads or writes it
+
+
+def test_a_read_of_the_product_before_its_next_overwrite_keeps_that_pair_apart(monkeypatch):
+    """d(a2) read once more by step 1's first update (after step 1's dX GEMM wrote it): step 1's
+    pair stays apart; step 0's fuses (step 1's GEMM overwrites d(a2) before that read)."""
+    monkeypatch.setenv("STREAMSCHED_BWD_EPILOGUES", "0")
+    c = compile_file(MLP, fuse=False)
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step" and t.step == 1)
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("d(a2)",)})
+    got = _gated(fuse_tasks(s, c.program.kernels))
+    assert (1, "linear.backward@logits.dx") not in got
+    assert got == {(st, lab) for st in range(c.schedule.steps)
+                   for lab in ("linear.backward@logits.dx", "linear.backward@h2.dx")} - {(1, "linear.backward@logits.dx")}
+
+
+def test_a_read_of_the_products_bytes_under_another_name_keeps_that_pair_apart(monkeypatch):
+    """inplace_backward.sched writes d(a2) `into` a2's storage: a read of a2 after the pair and
+    before step 1's relu rewrites a2 reads d(a2)'s bytes, so that pair stays apart (by bytes,
+    not names); the reads of a2 after that rewrite keep nothing apart."""
+    monkeypatch.setenv("STREAMSCHED_BWD_EPILOGUES", "0")
+    path = os.path.join(ROOT, "examples", "inplace_backward.sched")
+    c = compile_file(path, fuse=False)
+    every = _gated(fuse_tasks(c.schedule, c.program.kernels))
+    assert (0, "linear.backward@logits.dx") in every
+    sgd = next(t for t in c.schedule.tasks if t.kernel == "sgd_step" and t.step == 0)
+    s = _edit(c.schedule, lambda t: t.id == sgd.id, change=lambda t: {"args": t.args + ("a2",)})
+    assert _gated(fuse_tasks(s, c.program.kernels)) == every - {(0, "linear.backward@logits.dx")}
+
+
+def test_gated_products_train_bitwise_the_unfused_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("STREAMSCHED_BWD_EPILOGUES", "0")
+    for name in ("mlp_digits.sched", "inplace_backward.sched"):
+        path = os.path.join(ROOT, "examples", name)
+        fused, plain = compile_file(path), compile_file(path, fuse=False)
+        assert _gated(fused.schedule) and fused.ok and plain.ok
+        want = outcome(plain, max_steps=4)
+        for how, got in interleavings(fused, max_steps=4):
+            assert got[1] == (), how
+            assert got[0] == want[0], f"{name} {how}: {differ(got[0], want[0])}"
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])

@@ -382,6 +382,7 @@ def _f(*shape, seed=0):
 SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so results compare exactly)
     "matmul": ([_f(3, 3), _f(3, 3, seed=1)], {}),
     "matmul_t": ([_f(3, 3), _f(3, 3, seed=1)], {"ta": True, "tb": True}),
+    "gemm_bias": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
     "gemm_bias_relu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
     "gemm_bias_gelu": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
     "gemm_bias_relu_aux": ([_f(3, 5), _f(5, 4, seed=1), _f(4, seed=2)], {}),
@@ -389,6 +390,10 @@ SAMPLES = {  # a valid call of every kernel with a CPU kernel (float64 so result
     "gemm_drelu_bgrad": ([_f(3, 5), _f(4, 5, seed=1), _f(3, 4, seed=2),
                           np.packbits(np.pad(_f(3, 4, seed=2) > 0, ((0, 0), (0, 124))), axis=1, bitorder="little")],
                          {"tb": True}),
+    "gemm_relu_grad": ([_f(3, 5), _f(4, 5, seed=1), _f(3, 4, seed=2)], {"tb": True}),
+    "gemm_drelu": ([_f(3, 5), _f(4, 5, seed=1), _f(3, 4, seed=2),
+                    np.packbits(np.pad(_f(3, 4, seed=2) > 0, ((0, 0), (0, 124))), axis=1, bitorder="little")],
+                   {"tb": True}),
     "add": ([_f(3, 4), _f(4, seed=1)], {}),
     "sub": ([_f(3, 4), _f(3, 4, seed=1)], {}),
     "mul": ([_f(3, 4), np.array(2.0)], {}),

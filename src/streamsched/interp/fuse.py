@@ -20,7 +20,9 @@ dlogits none with logits, labels or the loss.
 
 GEMM epilogues: `matmul(x, w) -> t` (no transposes), `add(t, b) -> h` (b a vector of w's columns)
 and `relu(h) -> y` or `gelu(h) -> y`, adjacent in issue order in one unit, step and launch, become
-one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on the GEMM's stream,
+one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on the GEMM's stream
+(with no such activation next, the matmul and the add become `gemm_bias(x, w, b) -> h`: cuBLASLt's
+BIAS epilogue, the transformer's projections),
 when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
 backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
 their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
@@ -48,6 +50,22 @@ byte range after the device arena's end), so the mask is rewritten exactly when 
 checker sees it written by the forward and read by the backward like any tensor (its RAW and
 WAR orders are y's own).  Accesses stay the union of the parts' (plus the mask): the checker
 proves the fused plan.
+
+Gated products: what the backward epilogues leave of `matmul(dz, w) -> dy` (either transpose
+flag) followed at once (adjacent in issue order, one unit, step and launch) by `relu_grad(dy, y)
+-> dpre` becomes one `gemm_relu_grad(dz, w, y) -> dpre` task at the GEMM's place, on its stream
+(on the device, the skinny product applies the relu gate before it stores: the classifier's
+input gradient, k = the class count, then costs one memory-bound launch instead of two), when no
+other task reads dy or a buffer sharing its bytes, dpre shares no byte with dz, w, y or dy
+and y none with dy, under `barriers = explicit` only when both are on one stream, and never
+moving a relu_grad the user placed on another stream.  "No other task reads dy" is exact about
+storage: a task after the pair that reads a byte of dy (a buffer `into` dy's storage, say) keeps
+the pair apart unless a task between them overwrites all of dy's bytes first.  The fused task
+reads and writes the union of its parts' buffers but dy, which nothing reads any more and nothing
+writes.  With the backward epilogues on (an experiment, off by default), a pair whose product is
+not skinny (k > 32) and whose y is written by fused forward relu GEMMs only becomes
+`gemm_drelu(dz, w, y, mask) -> dpre` instead (cuBLASLt's DRELU on the forward's relu bitmask,
+made exactly as for the backward epilogues above).
 """
 
 from __future__ import annotations
@@ -88,6 +106,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         tasks, masks = _bwd_epilogues(tasks, schedule.buffers, kernels, KERNELS, one_stream=explicit)
     else:
         masks = ()
+    tasks, more = _gated_products(tasks, schedule.buffers + masks, kernels, KERNELS, one_stream=explicit)
+    masks += more
     # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
     segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
     groups: list[list[Task]] = []
@@ -173,40 +193,48 @@ def _pairs(tasks, bufs, kernels, stdlib):
 
 
 _EPI = {"relu": "gemm_bias_relu", "gelu": "gemm_bias_gelu"}
+_BIAS_ALONE = True
+"""Whether a matmul and its bias add fuse without an activation (gemm_bias); benchmarks turn it off
+to measure what it gains."""
+_EPI_KERNELS = ("matmul", "add", "relu", "gelu", "gemm_bias", "gemm_bias_relu", "gemm_bias_gelu")
 
 
 def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     """`tasks` with every matmul -> add -> relu|gelu run (module docstring) made one
-    gemm_bias_relu / gemm_bias_gelu task keeping the matmul's id (the others' ids mapped to it in
+    gemm_bias_relu / gemm_bias_gelu task, and every matmul -> add pair with no such activation
+    next one gemm_bias task, keeping the matmul's id (the others' ids mapped to it in
     every `after`); `tasks` itself when there is none.  "No other reader" counts the same work in
     the other unrolled steps as fused too: the candidates are found first, then dropped until
     every reader of a dropped intermediate is itself a fused part (a fixed point)."""
-    names = ("matmul", "add") + tuple(_EPI) + tuple(_EPI.values())
-    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in names):
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _EPI_KERNELS):
         return tasks
     bufs = {b.name: b for b in buffers}
-    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3)
-    last = len(tasks) - 2
+    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3 or None)
     for i, t1 in enumerate(tasks):
-        if t1.kernel != "matmul" or i >= last:
+        if t1.kernel != "matmul" or i + 1 >= len(tasks):
             continue
-        t2, t3 = tasks[i + 1], tasks[i + 2]
-        if any(v for _, v in t1.attrs) or t2.kernel != "add" or t3.kernel not in _EPI:
+        t2, t3 = tasks[i + 1], tasks[i + 2] if i + 2 < len(tasks) else tasks[i + 1]
+        if any(v for _, v in t1.attrs) or t2.kernel != "add" or len(t2.args) != 2 or t2.args[0] != t1.outs[0]:
             continue
-        if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in (t2, t3)):
+        if t3.kernel not in _EPI or t3.args != t2.outs \
+                or (t3.unit, t3.step, t3.slot, t3.launch) != (t1.unit, t1.step, t1.slot, t1.launch):
+            t3 = None  # no activation the epilogue takes: the bias alone (gemm_bias)
+            if not _BIAS_ALONE:
+                continue
+        parts = (t2,) if t3 is None else (t2, t3)
+        if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in parts):
             continue
-        if one_stream and not t1.stream == t2.stream == t3.stream:
+        if one_stream and any(u.stream != t1.stream for u in parts):
             continue  # explicit: the user orders streams; a missing `after` between them stays an R001
-        if t3.stream != t1.stream and t3.site is not None and t3.site.placed:
-            continue  # the user put the activation on its stream: fusing would move it to the GEMM's
-        if HOST in (t1.stream, t2.stream, t3.stream) or len(t2.args) != 2 or t2.args[0] != t1.outs[0] \
-                or t3.args != t2.outs:
+        if any(u.stream != t1.stream and u.site is not None and u.site.placed for u in parts[-1:]):
+            continue  # the user put the activation (or the bias add) on its stream: fusing would move it
+        if HOST in (t1.stream,) + tuple(u.stream for u in parts):
             continue
         m, bias = t1.outs[0], t2.args[1]
         bm, bb = bufs.get(m), bufs.get(bias)
         if bm is None or bb is None or len(bm.shape) != 2 or bb.shape != bm.shape[1:]:
             continue
-        if not all(_apart(bufs, o, a) for o in t3.outs + t2.outs for a in t1.args + (bias,)):
+        if not all(_apart(bufs, o, a) for o in (t3.outs if t3 else ()) + t2.outs for a in t1.args + (bias,)):
             continue
         cand[i] = (t1, t2, t3)
     if not cand:
@@ -217,11 +245,11 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     def readers_of(name: str) -> set[int]:
         return touching.tasks(name, readers)
 
-    need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2].kernel == "relu" else set())
+    need = {i: (readers_of(c[0].outs[0]), readers_of(c[1].outs[0]) if c[2] and c[2].kernel == "relu" else set())
             for i, c in cand.items()}
     while True:
         t2s = {c[1].id for c in cand.values()}
-        t3s = {c[2].id for c in cand.values()}
+        t3s = {c[2].id for c in cand.values() if c[2] is not None}
         bad = [i for i in cand if not (need[i][0] <= t2s and need[i][1] <= t3s)]
         if not bad:
             break
@@ -234,13 +262,20 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     while i < len(tasks):
         if i in cand:
             t1, t2, t3 = cand[i]
-            gone[t2.id] = gone[t3.id] = t1.id
-            outs = (t2.outs[0],) + t3.outs if t3.kernel == "gelu" else t3.outs
-            out.append(evolve(t1, kernel=_EPI[t3.kernel], args=t1.args + (t2.args[1],), outs=outs, attrs=(),
-                               after=tuple(dict.fromkeys(t1.after + t2.after + t3.after)),
-                               key="fuse(" + "|".join(u.key for u in (t1, t2, t3)) + ")",
-                               label=f"{t1.label} +{t3.kernel}" if t1.label else t1.label))
-            i += 3
+            parts = (t1, t2) if t3 is None else (t1, t2, t3)
+            for u in parts[1:]:
+                gone[u.id] = t1.id
+            if t3 is None:
+                kernel, outs, last = "gemm_bias", t2.outs, "add"
+            else:
+                kernel, last = _EPI[t3.kernel], t3.kernel
+                outs = (t2.outs[0],) + t3.outs if t3.kernel == "gelu" else t3.outs
+            out.append(evolve(t1, kernel=kernel, args=t1.args + (t2.args[1],), outs=outs, attrs=(),
+                               after=tuple(a for a in dict.fromkeys(sum((u.after for u in parts), ()))
+                                           if a not in {u.id for u in parts}),
+                               key="fuse(" + "|".join(u.key for u in parts) + ")",
+                               label=f"{t1.label} +{last}" if t1.label else t1.label))
+            i += len(parts)
         else:
             out.append(tasks[i])
             i += 1
@@ -386,24 +421,7 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     if not cand:
         return tasks, ()
 
-    # one mask per relu output y, after the device arena's end (a fresh byte range)
-    masks: dict[str, Buffer] = {}
-    planned = all(b.offset >= 0 for b in buffers)
-    end = max((b.offset + b.nbytes for b in buffers if b.space == "device"), default=0)
-    for t1, t2, t3, j in cand.values():
-        y = t2.args[1]
-        if t2.kernel != "relu_grad" or y in masks:
-            continue
-        m, n = bufs[y].shape
-        shape = (m, _mask_ld(n) // 8)
-        name = f"relu_mask({y})"
-        while name in bufs:
-            name += "'"
-        nbytes = m * shape[1]
-        off = -(-end // 256) * 256 if planned else -1
-        masks[y] = Buffer(name, shape, "u8", "device", "act", off, nbytes if planned else 0, span=bufs[y].span)
-        if planned:
-            end = off + nbytes
+    masks = _relu_masks([c[1].args[1] for c in cand.values() if c[1].kernel == "relu_grad"], bufs, buffers)
     drop = {c[3] for c in cand.values()}
     out, gone = [], {}
     for i, t in enumerate(tasks):
@@ -426,6 +444,140 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     out = tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
                 if any(a in gone for a in t.after) else t for t in out)
     return out, tuple(masks.values())
+
+
+
+
+_GATED = ("matmul", "relu_grad", "gemm_relu_grad", "gemm_drelu", "gemm_bias_relu", "gemm_bias_relu_aux")
+def _drelu() -> bool:
+    """Whether a gated product that is not skinny takes cuBLASLt's DRELU epilogue (gemm_drelu):
+    with the backward epilogues (`STREAMSCHED_BWD_EPILOGUES=1`) only.  Measured on the H200
+    (2026-12-02, docs/performance.md session 12) it made the MLP 784 step slower, 103.0 -> 112.3
+    us at batch 128 and 522.0 -> 538.8 at 2048: the forward's RELU_AUX_BIAS and the DRELU GEMM
+    cost more than the relu_grad launch they save."""
+    return backward_epilogues()
+
+
+def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
+    """`tasks` with every matmul -> relu_grad pair of the module docstring ("Gated products")
+    made one gemm_relu_grad task keeping the matmul's id (relu_grad's id mapped to it in every
+    `after`), or, with the backward epilogues on (`_drelu`), one gemm_drelu task where the
+    product is not skinny (k > SKINNY_K) and every
+    task writing a byte of y is a fused forward gemm_bias_relu(_aux) writing y (made
+    gemm_bias_relu_aux, with the relu masks' new buffers); (`tasks` itself, ()) when nothing
+    fuses."""
+    from streamsched.stdlib.kernels._cuda import SKINNY_K
+
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _GATED):
+        return tasks, ()
+    bufs = {b.name: b for b in buffers}
+    cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2)
+    for i in range(len(tasks) - 1):
+        t1, t2 = tasks[i], tasks[i + 1]
+        if t1.kernel != "matmul" or t2.kernel != "relu_grad" or (i - 1) in cand:
+            continue
+        if any(k not in ("ta", "tb") for k, _ in t1.attrs) or len(t1.args) != 2 or len(t1.outs) != 1:
+            continue
+        if (t1.unit, t1.step, t1.slot, t1.launch) != (t2.unit, t2.step, t2.slot, t2.launch) \
+                or HOST in (t1.stream, t2.stream):
+            continue
+        if len(t2.args) != 2 or len(t2.outs) != 1 or t2.args[0] != t1.outs[0]:
+            continue
+        dy, y, dpre = t1.outs[0], t2.args[1], t2.outs[0]
+        bdy, by, bdp = bufs.get(dy), bufs.get(y), bufs.get(dpre)
+        if bdy is None or by is None or bdp is None or len(bdy.shape) != 2 \
+                or not bdy.shape == by.shape == bdp.shape or not bdy.dtype == by.dtype == bdp.dtype:
+            continue
+        if one_stream and t1.stream != t2.stream:
+            continue  # explicit: the user orders streams; a missing `after` between them stays an R001
+        if t2.stream != t1.stream and t2.site is not None and t2.site.placed:
+            continue  # the user put it on its stream: fusing would move it to the GEMM's
+        if not all(_apart(bufs, dpre, a) for a in t1.args + (y, dy)) or not _apart(bufs, y, dy):
+            continue
+        cand[i] = (t1, t2)
+    if not cand:
+        return tasks, ()
+    touching = _Touching(buffers)
+    readers, writers = _by_name(tasks, "args"), _by_name(tasks, "outs")
+    at = {t.id: i for i, t in enumerate(tasks)}
+    for i in list(cand):
+        if not _dead_after(tasks[i].outs[0], i + 1, bufs, touching, readers, writers, at):
+            del cand[i]
+    if not cand:
+        return tasks, ()
+    # the DRELU epilogue where the forward writes y's mask (every writer of y a fused relu GEMM)
+    drelu, use_drelu = set(), _drelu()
+    for i, (t1, t2) in cand.items():
+        ta = bool(t1.attr("ta", False))
+        k = bufs[t1.args[0]].shape[0 if ta else 1]
+        ws = touching.tasks(t2.args[1], writers)
+        if use_drelu and k > SKINNY_K and ws and all(tasks[at[w]].kernel in _FWD_RELU and tasks[at[w]].outs[:1] == (t2.args[1],)
+                                                 for w in ws):
+            drelu.add(i)
+    old = {t.outs[0]: t.outs[1] for t in tasks if t.kernel == "gemm_bias_relu_aux" and len(t.outs) == 2}
+    new = _relu_masks([cand[i][1].args[1] for i in sorted(drelu) if cand[i][1].args[1] not in old], bufs, buffers)
+    mask_of = {**old, **{y: b.name for y, b in new.items()}}
+    out, gone = [], {}
+    for i, t in enumerate(tasks):
+        if (i - 1) in cand:
+            continue
+        if i in cand:
+            t1, t2 = cand[i]
+            gone[t2.id] = t1.id
+            y = t2.args[1]
+            out.append(evolve(t1, kernel="gemm_drelu" if i in drelu else "gemm_relu_grad",
+                               args=t1.args + (y,) + ((mask_of[y],) if i in drelu else ()), outs=t2.outs,
+                               attrs=(("ta", bool(t1.attr("ta", False))), ("tb", bool(t1.attr("tb", False)))),
+                               after=tuple(a for a in dict.fromkeys(t1.after + t2.after) if a != t1.id),
+                               key=f"fuse({t1.key}|{t2.key})",
+                               label=f"{t1.label} +relu_grad" if t1.label else t1.label))
+        elif t.kernel == "gemm_bias_relu" and t.outs[:1] and t.outs[0] in new:
+            out.append(evolve(t, kernel="gemm_bias_relu_aux", outs=(t.outs[0], new[t.outs[0]].name)))
+        else:
+            out.append(t)
+    return tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
+                 if any(a in gone for a in t.after) else t for t in out), tuple(new.values())
+
+
+def _relu_masks(ys, bufs, buffers) -> dict[str, Buffer]:
+    """One relu bitmask buffer per relu output y of `ys` (u8 [m, ceil(n/128)*16], named
+    relu_mask(y)), placed after the device arena's end (a fresh byte range) when the buffers are."""
+    masks: dict[str, Buffer] = {}
+    planned = all(b.offset >= 0 for b in buffers)
+    end = max((b.offset + b.nbytes for b in buffers if b.space == "device"), default=0)
+    from streamsched.stdlib.kernels.gemm import _mask_ld
+
+    for y in ys:
+        if y in masks:
+            continue
+        m, n = bufs[y].shape
+        shape = (m, _mask_ld(n) // 8)
+        name = f"relu_mask({y})"
+        while name in bufs:
+            name += "'"
+        nbytes = m * shape[1]
+        off = -(-end // 256) * 256 if planned else -1
+        masks[y] = Buffer(name, shape, "u8", "device", "act", off, nbytes if planned else 0, span=bufs[y].span)
+        if planned:
+            end = off + nbytes
+    return masks
+
+
+def _dead_after(name: str, j: int, bufs, touching: "_Touching", readers, writers, at) -> bool:
+    """Whether no task after index j (issue order) reads a byte of buffer `name` before a task
+    overwrites all of its bytes.  Issue order is the order the bytes' accesses run in: the
+    schedule is race-free (every reader and writer of a byte are ordered) and every edge goes
+    forward in issue order, so a read after the next full overwrite sees that overwrite's value,
+    and one before it the value at j's time.  Every pair that fuses passing this check, with the
+    overwrite a fused pair's own GEMM (whose write of its dy goes), stays sound: a later read of
+    those bytes before their next overwrite would have kept that pair apart."""
+    b = bufs[name]
+    over = touching.names(name)
+    cover = [n for n in over if n == name or (bufs[n].space == b.space and bufs[n].offset <= b.offset
+                                               and bufs[n].offset + bufs[n].nbytes >= b.offset + b.nbytes)]
+    ends = [at[w] for n in cover for w in writers.get(n, ()) if at[w] > j]
+    end = min(ends, default=len(at))
+    return not any(j < at[r] <= end for n in over for r in readers.get(n, ()))
 
 
 def _apart(bufs, a: str, b: str) -> bool:

@@ -37,7 +37,7 @@ extern "C" __global__ void ss_trace_gate(unsigned long long ns) {
 }
 """
 
-_FORK = re.compile(r"linear\.backward@(\S+)\.(dw|db|dx)$")
+_FORK = re.compile(r"linear\.backward@(\S+)\.(dw|db|dx)(?: \+\w+)*$")  # a fused task: " +relu_grad"
 
 # colour per kernel category
 COLOURS = {
@@ -47,8 +47,7 @@ COLOURS = {
 
 
 def category(kernel: str) -> str:
-    if kernel in ("matmul", "gemm_bias_relu", "gemm_bias_relu_aux", "gemm_bias_gelu", "gemm_drelu_bgrad",
-                  "gemm_dgelu_bgrad"):
+    if kernel == "matmul" or kernel.startswith("gemm_"):
         return "gemm"
     if kernel in ("sum", "mean"):
         return "reduce"

@@ -117,39 +117,67 @@ extern "C" __global__ void ss_rowbcast(const T_t* a, const T_t* b, T_t* c, long 
 // j * sb_j] (the strides say the transposes); c: C-contiguous [m, n]; each sum in kk order,
 // fused multiply-adds in A_t: bitwise the same from run to run.
 //
-// ss_gemm_smallk (k <= 32): block (tx, ty) owns columns bx*tx .. bx*tx+tx-1 and, in a
-// grid-stride loop, rows of ty at a time; it first copies B's k x tx tile into shared memory
-// (Bs[kk * tx + x]), then thread (x, y) keeps its row's k values of A in registers and adds
-// the k products of c[i, j] from the shared tile (consecutive x: consecutive banks), storing
-// rows of tx consecutive floats.  g, when not null, gates the result as relu_grad does:
-// c = g > 0 ? sum : 0 (g like c).
+// ss_gemm_smallk (k <= 32): a block of 32 x 8 threads owns a tile of 32 rows and 32 * un
+// columns (un <= 4) of c, stepping over the rows' tiles by gridDim.y.  It copies B's k x 32un
+// tile into shared memory once (Bs[kk * bs + jj], bs = 32un + 1) and each tile of A (32 x k,
+// As[kk * 33 + r]) before computing it, both read in memory order (coalesced) whichever of the
+// strides is 1, both padded so that the fills hit distinct banks; thread (x, y) then adds the
+// k products of its 4 x un outputs c[i0 + y + 8v, j0 + x + 32u] (A's value a broadcast, B's
+// consecutive banks) and stores each row's 32 consecutive floats.  The work a thread has in
+// flight is 4un outputs, not one: the one-output-per-thread kernel this replaces was latency
+// bound (51 us for [2048, 10] @ [10, 1024] on the H200, cuBLAS 29).  g, when not null, gates
+// the result as relu_grad does: c = g > 0 ? sum : 0 (g like c).
 extern "C" __global__ void ss_gemm_smallk(const T_t* a, const T_t* b, T_t* c, const T_t* g,
                                           long long m, long long n, int k, long long sa_i,
-                                          long long sa_k, long long sb_k, long long sb_j) {
+                                          long long sa_k, long long sb_k, long long sb_j, int un) {
     extern __shared__ unsigned char ss_smem[];
+    int cn = 32 * un, bs = cn + 1;
     T_t* Bs = reinterpret_cast<T_t*>(ss_smem);
-    int tx = blockDim.x, ty = blockDim.y, x = threadIdx.x, y = threadIdx.y, ts = tx + 1;
-    long long j0 = (long long)blockIdx.x * tx, j = j0 + x;
-    // the tile is read in memory order (coalesced) whichever of B's strides is 1; Bs rows are
-    // padded to tx + 1 so that both the fill and the reads below hit distinct banks
-    for (int e = y * tx + x; e < k * tx; e += tx * ty) {
-        int kk, xx;
-        if (sb_k == 1) { xx = e / k; kk = e - xx * k; } else { kk = e / tx; xx = e - kk * tx; }
-        Bs[kk * ts + xx] = j0 + xx < n ? b[kk * sb_k + (j0 + xx) * sb_j] : (T_t)0;
+    T_t* As = Bs + k * bs;
+    int x = threadIdx.x, y = threadIdx.y, t = y * 32 + x;
+    long long j0 = (long long)blockIdx.x * cn;
+    for (int e = t; e < k * cn; e += 256) {
+        int kk, jj;
+        if (sb_k == 1) { jj = e / k; kk = e - jj * k; } else { kk = e / cn; jj = e - kk * cn; }
+        Bs[kk * bs + jj] = j0 + jj < n ? b[kk * sb_k + (j0 + jj) * sb_j] : (T_t)0;
     }
-    __syncthreads();
-    if (j >= n) return;
-    for (long long i = (long long)blockIdx.y * ty + y; i < m; i += (long long)gridDim.y * ty) {
-        const T_t* pa = a + i * sa_i;
-        A_t av[32];
+    for (long long i0 = (long long)blockIdx.y * 32; i0 < m; i0 += (long long)gridDim.y * 32) {
+        __syncthreads();  // Bs filled; the previous tile's As read
+        for (int e = t; e < 32 * k; e += 256) {
+            int kk, r;
+            if (sa_k == 1) { r = e / k; kk = e - r * k; } else { kk = e / 32; r = e - kk * 32; }
+            As[kk * 33 + r] = i0 + r < m ? a[(i0 + r) * sa_i + kk * sa_k] : (T_t)0;
+        }
+        __syncthreads();
+        A_t acc[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 32; ++kk) av[kk] = kk < k ? (A_t)pa[kk * sa_k] : (A_t)0;
-        A_t acc = (A_t)0;
+        for (int v = 0; v < 4; ++v)
 #pragma unroll
-        for (int kk = 0; kk < 32; ++kk)
-            if (kk < k) acc = fma(av[kk], (A_t)Bs[kk * ts + x], acc);
-        if (g != nullptr && !((A_t)g[i * n + j] > (A_t)0)) acc = (A_t)0;
-        c[i * n + j] = (T_t)acc;
+            for (int u = 0; u < 4; ++u) acc[v][u] = (A_t)0;
+        for (int kk = 0; kk < k; ++kk) {
+            A_t bv[4], av[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) bv[u] = u < un ? (A_t)Bs[kk * bs + x + 32 * u] : (A_t)0;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) av[v] = (A_t)As[kk * 33 + y + 8 * v];
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+#pragma unroll
+                for (int u = 0; u < 4; ++u) acc[v][u] = fma(av[v], bv[u], acc[v][u]);
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            long long i = i0 + y + 8 * v;
+            if (i >= m) continue;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                long long j = j0 + x + 32 * u;
+                if (u >= un || j >= n) continue;
+                A_t r = acc[v][u];
+                if (g != nullptr && !((A_t)g[i * n + j] > (A_t)0)) r = (A_t)0;
+                c[i * n + j] = (T_t)r;
+            }
+        }
     }
 }
 
@@ -408,11 +436,13 @@ SKINNY_N = 32
 """ss_gemm_smalln takes products with at most this many output columns (and m >= SKINNY_ROWS)."""
 SKINNY_ROWS = 256
 SKINNY_MAX_OUT = 1 << 18
-"""ss_gemm_smallk takes outputs of at most this many elements.  Measured on the H200 (session 11,
-docs/performance.md): in the batch-128 MLP step the classifier's input gradient [128, 10] @
-[10, 1024] through it took the step from 111.8 to 105.6 us, while at batch 2048 ([2048, 10] @
-[10, 1024]: 51 us against cuBLAS's 29) and in resnet_digits' im2col products ([50176, 16] @
-[16, 144]: 220 against 17) it was slower; larger outputs stay on cuBLAS until it is not."""
+"""ss_gemm_smallk takes outputs of at most this many elements, and larger ones only where its
+tile is 128 columns wide (`_smallk_columns(n) == 4`: 4 columns a thread) and k <= SKINNY_WIDE_K.  Measured on the H200 (session 12,
+docs/performance.md; µs of one product, the kernel against cuBLAS): [128, 10] @ [10, 1024] 3.5 /
+7.4 and [2048, 10] @ [10, 1024] 6.4 / 28.5 (the batch-2048 MLP step 543 -> 522 us), but
+[4096, 32] @ [32, 512] 12.5 / 7.9, [50176, 16] @ [16, 144] 64 / 17 and [50176, 9] @ [9, 16]
+12.1 / 4.6: where cuBLAS tiles the product well, the kernel loses."""
+SKINNY_WIDE_K = 16
 
 
 SKINNY_ENV = "STREAMSCHED_SKINNY_GEMM"
@@ -420,6 +450,16 @@ SKINNY = EnvChoice(SKINNY_ENV, ("1", "all", "0"), "1")
 """`1` (the default, also empty): products with k <= SKINNY_K run ss_gemm_smallk; `all`: products
 with n <= SKINNY_N run ss_gemm_smalln too; `0`: every product runs cuBLAS.  Case and spaces are
 ignored; any other value is refused (X004)."""
+
+
+SMALLK_BLOCKS_PER_SM = 16
+"""ss_gemm_smallk's grid has at most this many blocks per SM (each then steps over row tiles)."""
+
+
+def _smallk_columns(n: int) -> int:
+    """ss_gemm_smallk's columns per thread, un in 1..4 (a block's tile is 32 * un wide): the one
+    that wastes the fewest threads on columns past n, the widest of equals."""
+    return min(range(4, 0, -1), key=lambda u: -(-n // (32 * u)) * 32 * u - n)
 
 
 def _skinny_on() -> bool:
@@ -430,56 +470,75 @@ def _smalln_on() -> bool:
     return SKINNY.get() == "all"
 
 
-def _skinny_gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
-    """c = op(a) @ op(b) (gated by relu_grad's rule, c = gate > 0 ? c : 0, when `gate` is given)
-    for f32 / f64 C-contiguous 2-D arrays when the product is skinny: k <= SKINNY_K
-    and m * n <= SKINNY_MAX_OUT (ss_gemm_smallk), or, with STREAMSCHED_SKINNY_GEMM=all, n <=
-    SKINNY_N with m >= SKINNY_ROWS and A's rows contiguous (ss_gemm_smalln, not ta; never gated).  False when the case is not one it covers (cuBLAS
-    then does it; STREAMSCHED_SKINNY_GEMM=0 sends every product there).  c must not overlap a,
-    b or gate (ValueError, as DeviceContext.gemm)."""
-    import numpy as np
-
+def _skinny_case(a, b, c, ta: bool = False, tb: bool = False, gate=None):
+    """Which skinny kernel takes c = op(a) @ op(b) (`_skinny_gemm`'s rule): "smallk", "smalln" or
+    None (cuBLAS does it)."""
     if not _skinny_on() or a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
-        return False
+        return None
     dt = str(c.dtype)
     if dt not in _DENSE or a.dtype != c.dtype or b.dtype != c.dtype:
-        return False
+        return None
     if not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous):
-        return False
+        return None
     if gate is not None and (gate.shape != c.shape or gate.dtype != c.dtype or not gate.flags.c_contiguous):
-        return False
+        return None
     m, k = (a.shape[1], a.shape[0]) if ta else a.shape
     k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
     if k != k2 or c.shape != (m, n) or m == 0 or n == 0 or k == 0:
+        return None
+    if k <= SKINNY_K and (m * n <= SKINNY_MAX_OUT or (_smallk_columns(n) == 4 and k <= SKINNY_WIDE_K)):
+        return "smallk"
+    if gate is None and n <= SKINNY_N and m >= SKINNY_ROWS and not ta and _smalln_on():
+        return "smalln"
+    return None
+
+
+def _skinny_applies(a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
+    """Whether `_skinny_gemm` would take this product (nothing launched)."""
+    return _skinny_case(a, b, c, ta, tb, gate) is not None
+
+
+def _skinny_gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
+    """c = op(a) @ op(b) (gated by relu_grad's rule, c = gate > 0 ? c : 0, when `gate` is given)
+    for f32 / f64 C-contiguous 2-D arrays when the product is skinny: k <= SKINNY_K
+    and m * n <= SKINNY_MAX_OUT, or a 128-column tile and k <= SKINNY_WIDE_K (ss_gemm_smallk),
+    or, with STREAMSCHED_SKINNY_GEMM=all, n <= SKINNY_N with m >= SKINNY_ROWS and A's rows
+    contiguous (ss_gemm_smalln, not ta; never gated).  False when the case is not one it covers
+    (cuBLAS then does it; STREAMSCHED_SKINNY_GEMM=0 sends every product there).  c must not
+    overlap a, b or gate (ValueError, as DeviceContext.gemm)."""
+    import numpy as np
+
+    case = _skinny_case(a, b, c, ta, tb, gate)
+    if case is None:
         return False
     for x in (a, b) + ((gate,) if gate is not None else ()):
         if _overlap(c.data.ptr, c.nbytes, x.data.ptr, x.nbytes):
             raise ValueError("gemm: the output shares memory with an input")
+    m, k = (a.shape[1], a.shape[0]) if ta else a.shape
+    n = b.shape[0] if tb else b.shape[1]
     sa_i, sa_k = (1, m) if ta else (k, 1)
     sb_k, sb_j = (1, k) if tb else (n, 1)
     sms = _sm_count(c.data.device_id)
     item = c.dtype.itemsize
-    if k <= SKINNY_K and m * n <= SKINNY_MAX_OUT:
+    if case == "smallk":
         f = _function("dense", c.dtype, None, "ss_gemm_smallk")
-        tx = min(256 // max(1, item // 4), -(-n // 32) * 32) if n >= 32 else n
-        ty = max(1, 256 // tx)
-        gx = -(-n // tx)
-        gy = max(1, min(-(-m // ty), 65535, -(-8 * sms // gx)))
+        un = _smallk_columns(n)
+        gx = -(-n // (32 * un))
+        gy = max(1, min(-(-m // 32), 65535, -(-SMALLK_BLOCKS_PER_SM * sms // gx)))
         with _stream(ctx, stream):
-            f((gx, gy, 1), (tx, ty, 1), (a, b, c, np.uint64(0) if gate is None else gate, np.int64(m), np.int64(n),
-                                         np.int32(k), np.int64(sa_i), np.int64(sa_k), np.int64(sb_k), np.int64(sb_j)),
-              shared_mem=k * (tx + 1) * item)
+            f((gx, gy, 1), (32, 8, 1), (a, b, c, np.uint64(0) if gate is None else gate, np.int64(m), np.int64(n),
+                                        np.int32(k), np.int64(sa_i), np.int64(sa_k), np.int64(sb_k), np.int64(sb_j),
+                                        np.int32(un)),
+              shared_mem=(k * (32 * un + 1) + 33 * k) * item)
         return True
-    if gate is None and n <= SKINNY_N and m >= SKINNY_ROWS and not ta and _smalln_on():
-        f = _function("dense", c.dtype, None, "ss_gemm_smalln")
-        blocks = max(1, min(-(-m // 8), 8 * sms))  # 8 warps a block, a warp per row
-        kc = max(32, min(256, (32 << 10) // ((n | 1) * item)))  # B's chunk: at most 32 KiB
-        with _stream(ctx, stream):
-            f((blocks, 1, 1), (256, 1, 1), (a, b, c, np.int64(m), np.int32(n), np.int64(k),
-                                             np.int64(sa_i), np.int64(sb_k), np.int64(sb_j), np.int32(kc)),
-              shared_mem=kc * (n | 1) * item)
-        return True
-    return False
+    f = _function("dense", c.dtype, None, "ss_gemm_smalln")
+    blocks = max(1, min(-(-m // 8), 8 * sms))  # 8 warps a block, a warp per row
+    kc = max(32, min(256, (32 << 10) // ((n | 1) * item)))  # B's chunk: at most 32 KiB
+    with _stream(ctx, stream):
+        f((blocks, 1, 1), (256, 1, 1), (a, b, c, np.int64(m), np.int32(n), np.int64(k),
+                                         np.int64(sa_i), np.int64(sb_k), np.int64(sb_j), np.int32(kc)),
+          shared_mem=kc * (n | 1) * item)
+    return True
 
 
 def _gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False) -> None:

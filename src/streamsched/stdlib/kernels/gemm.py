@@ -1,9 +1,9 @@
 """GEMM: `matmul` (c = op(a) @ op(b)), the one kernel that is cuBLAS alone; the convolutions reach
 cuBLAS through the same context glue (`ctx.gemm`, the stream's own handle); and the GEMMs with a
-fused epilogue the fusion pass makes, forward `gemm_bias_relu`, `gemm_bias_relu_aux` and
-`gemm_bias_gelu` (cuBLASLt's RELU_BIAS / RELU_AUX_BIAS / GELU_AUX_BIAS) and backward
+fused epilogue the fusion pass makes, forward `gemm_bias`, `gemm_bias_relu`, `gemm_bias_relu_aux`
+and `gemm_bias_gelu` (cuBLASLt's BIAS / RELU_BIAS / RELU_AUX_BIAS / GELU_AUX_BIAS) and backward
 `gemm_drelu_bgrad` and `gemm_dgelu_bgrad` (DRELU_BGRAD / DGELU_BGRAD), through nvmath-python's
-cublasLt bindings on the device."""
+cublasLt bindings on the device, and `gemm_relu_grad` (the skinny product's relu gate)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,19 @@ def _gemm_bias_gelu_cpu(ins, outs, at):
     STDLIB["gelu"].cpu([h], [outs[1]], {})
     outs[0][...] = h
 
+
+def _gemm_bias_cpu(ins, outs, at):
+    outs[0][...] = _pre_cpu(*ins)
+
+
+_register("gemm_bias", "x w b", "y", _gemm_bias_relu_infer, _gemm_bias_cpu, doc="""
+y = x @ w + b in one launch: made by the fusion pass from matmul(x, w) -> t and add(t, b) -> y
+where no activation the GEMM's epilogue takes follows and nothing else reads t, never written.
+x: [m, k], w: [k, n], b: [n], one float dtype -> y: [m, n].  CPU: matmul's and add's NumPy twins
+in order (bitwise the unfused tasks); CUDA: cuBLASLt's BIAS epilogue (f32, f64), the two twins
+where cuBLASLt is missing or refuses (a one-line notice).
+""", inplace=False, row=DocRow("x [m,k], w [k,n], b [n] -> y [m,n]", "comp1",
+                               "y = x w + b: cuBLASLt BIAS (made by the fusion pass)"))
 
 _register("gemm_bias_relu", "x w b", "y", _gemm_bias_relu_infer, _gemm_bias_relu_cpu, doc="""
 y = relu(x @ w + b) in one launch: made by the fusion pass from matmul(x, w) -> t, add(t, b) -> h,
@@ -223,6 +236,57 @@ twins on y where cuBLASLt refuses either epilogue (a one-line notice).
                                "(made by the fusion pass)"))
 
 
+def _gemm_relu_grad_infer(k, names, t, at):
+    (shape, dt), = _matmul_infer(k, names[:2], t[:2], at)
+    if tuple(t[2][0]) != shape or t[2][1] != dt:
+        raise KernelTypeError(f"{k}: {names[2]} must be {dt}{_fmt(shape)} like the product, "
+                              f"got {t[2][1]}{_fmt(t[2][0])}", arg=2)
+    return [(shape, dt)]
+
+
+def _gemm_relu_grad_cpu(ins, outs, at):
+    dz, w, y = ins
+    STDLIB["relu_grad"].cpu([_product(dz, w, at), y], [outs[0]], {})
+
+
+_register("gemm_relu_grad", "dz w y", "dpre", _gemm_relu_grad_infer, _gemm_relu_grad_cpu,
+          {"ta": False, "tb": False}, doc="""
+dpre = relu_grad(op(dz) @ op(w), y) in one launch where the product is skinny: made by the fusion
+pass from a linear's input-gradient GEMM matmul(dz, w) -> dy followed at once by relu_grad(dy, y)
+-> dpre where nothing else reads dy (the bias gradient stays its own sum), never written.  dz, w as
+matmul's a, b (ta, tb its flags) with op(dz) @ op(w): [m, n]; y: [m, n], the forward's relu output
+-> dpre: [m, n]; one float dtype.  CPU: matmul's and relu_grad's twins in order; CUDA: the skinny
+product (contracted dimension <= 32) with the relu gate applied before its store, otherwise
+matmul's and relu_grad's twins (relu_grad in place on dpre).  Both are bitwise the unfused tasks.
+""", inplace=False, row=DocRow("dz, w, y [m,n] -> dpre [m,n]", "comp3",
+                               "dpre = (op(dz) op(w)) where y > 0: the skinny GEMM's relu gate "
+                               "(made by the fusion pass)"))
+
+
+def _gemm_drelu_infer(k, names, t, at):
+    out = _gemm_bgrad_types(k, names, t, at, 2)
+    return out[:1]
+
+
+def _gemm_drelu_cpu(ins, outs, at):
+    dz, w, y, mask = ins
+    keep = np.unpackbits(mask, axis=1, count=y.shape[1], bitorder="little").astype(bool)
+    STDLIB["relu_grad"].cpu([_product(dz, w, at), keep], [outs[0]], {})
+
+
+_register("gemm_drelu", "dz w y mask", "dpre", _gemm_drelu_infer, _gemm_drelu_cpu, {"ta": False, "tb": False}, doc="""
+dpre = relu_grad(op(dz) @ op(w), y) in one launch: gemm_relu_grad where every writer of y is a
+fused forward GEMM (made gemm_bias_relu_aux, so that it writes y's relu bitmask beside it), made by
+the fusion pass, never written.  dz, w as matmul's a, b (ta, tb its flags); y: [m, n], the
+forward's relu output; mask: its gemm_bias_relu_aux bitmask -> dpre: [m, n]; one float dtype.
+CPU: matmul's twin, relu_grad's on the unpacked mask (its bits are y > 0; bitwise the unfused
+pair); CUDA: the skinny product gated by y where it takes the problem (bitwise the unfused pair),
+else cuBLASLt's DRELU epilogue on the mask, else the two twins on y (a one-line notice).
+""", inplace=False, row=DocRow("dz, w, y [m,n], mask -> dpre [m,n]", "comp3",
+                               "dpre = (op(dz) op(w)) where y > 0: cuBLASLt DRELU or the skinny GEMM's gate "
+                               "(made by the fusion pass)"))
+
+
 # ============================================================================================
 # CUDA twins, `<kernel>_cuda(ctx, stream, ins, outs, attrs)`: what each record's `cuda` names.
 # CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
@@ -231,6 +295,20 @@ twins on y where cuBLASLt refuses either epilogue (a one-line notice).
 def matmul_cuda(ctx, stream, ins, outs, attrs):
     a, b = ins
     _gemm(ctx, stream, a, b, outs[0], bool(attrs.get("ta", False)), bool(attrs.get("tb", False)))
+
+
+def gemm_relu_grad_cuda(ctx, stream, ins, outs, attrs):
+    """dpre = relu_grad(op(dz) @ op(w), y): `_skinny_gemm` with the gate, or matmul's twin and
+    relu_grad's in place (bitwise the unfused pair either way: the gated kernel is the one matmul
+    would run, gated before its store)."""
+    from streamsched.stdlib.kernels._cuda import _skinny_gemm
+
+    dz, w, y = ins
+    ta, tb = bool(attrs.get("ta", False)), bool(attrs.get("tb", False))
+    if ctx is not None and _skinny_gemm(ctx, stream, dz, w, outs[0], ta, tb, gate=y):
+        return
+    _gemm(ctx, stream, dz, w, outs[0], ta, tb)
+    _twin("relu_grad")(ctx, stream, [outs[0], y], [outs[0]], {})
 
 
 # -- cuBLASLt epilogues ------------------------------------------------------------------------
@@ -253,9 +331,10 @@ that fell back to the three kernels writes no mask, and the backward reading it 
 back as well (False sticks: a stale entry only ever costs the fused launch, never a wrong mask)."""
 _CUDA_R = {"float32": 0, "float64": 1}
 _COMPUTE = {"float32": 68, "float64": 70}  # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_64F
-_EPILOGUE = {"relu": ("RELU_BIAS", 6), "relu_aux": ("RELU_AUX_BIAS", 134), "gelu": ("GELU_AUX_BIAS", 164),
-             "drelu": ("DRELU_BGRAD", 152), "dgelu": ("DGELU_BGRAD", 208)}
+_EPILOGUE = {"bias": ("BIAS", 4), "relu": ("RELU_BIAS", 6), "relu_aux": ("RELU_AUX_BIAS", 134), "gelu": ("GELU_AUX_BIAS", 164),
+             "drelu": ("DRELU_BGRAD", 152), "dgelu": ("DGELU_BGRAD", 208), "drelu_only": ("DRELU", 136)}
 """act -> (cublasLtEpilogue_t name, value in cublasLt.h); the bindings' own Epilogue enum wins."""
+_FWD = ("bias", "relu", "relu_aux", "gelu")
 
 
 def _lt_notice(why: str) -> None:
@@ -312,7 +391,7 @@ def _lt_plan(ctx, stream, ins, outs, act, attrs=None):
 def _lt_spec(ins, outs, act, attrs) -> dict:
     """What one cuBLASLt call of `act` multiplies and where its epilogue reads and writes (the
     layout comment above), with the operands whose dtype, contiguity and alignment it needs."""
-    if act in ("relu", "relu_aux", "gelu"):
+    if act in _FWD:
         x, w, b = ins
         m, k = x.shape
         n = w.shape[1]
@@ -326,10 +405,10 @@ def _lt_spec(ins, outs, act, attrs) -> dict:
         ta_, tb = _flags(attrs)
         m = dz.shape[1] if ta_ else dz.shape[0]
         n = w.shape[0] if tb else w.shape[1]
-        y, bias = outs
+        y, bias = (outs[0], None) if act == "drelu_only" else outs
         aux = ins[2] if act == "dgelu" else ins[3]
         a, ta, b_, tb_ = w, tb, dz, ta_
-        floats = (dz, w, y, bias) + ((aux,) if act == "dgelu" else ())
+        floats = (dz, w, y) + ((bias,) if bias is not None else ()) + ((aux,) if act == "dgelu" else ())
         kk = dz.shape[0] if ta_ else dz.shape[1]
     if act in ("gelu", "dgelu") and n % 8:
         raise ValueError("the GELU aux matrix needs n % 8 == 0")
@@ -356,7 +435,8 @@ def _lt_desc(lt, sp, bias_ptr: int, aux_ptr: int | None):
         put(At.TRANSA, 1 if sp["transa"] else 0, np.int32)  # CUBLAS_OP_T / CUBLAS_OP_N
         put(At.TRANSB, 1 if sp["transb"] else 0, np.int32)
         put(At.EPILOGUE, epilogue, np.uint32)
-        put(At.BIAS_POINTER, bias_ptr, np.uint64)
+        if bias_ptr is not None:
+            put(At.BIAS_POINTER, bias_ptr, np.uint64)
         if aux_ptr is not None:
             put(At.EPILOGUE_AUX_POINTER, aux_ptr, np.uint64)
             put(At.EPILOGUE_AUX_LD, sp["aux_ld"], np.int64)
@@ -380,7 +460,8 @@ def _lt_build(ctx, stream, sp):
     handle, ws_ptr, ws_bytes = ctx.lt_handle(sname)
     r = _CUDA_R[dt]
     aux = sp["aux"]
-    desc = _lt_desc(lt, sp, sp["bias"].data.ptr, None if aux is None else aux.data.ptr)
+    desc = _lt_desc(lt, sp, None if sp["bias"] is None else sp["bias"].data.ptr,
+                    None if aux is None else aux.data.ptr)
     made = {"desc": desc, "layouts": []}
     try:
         # a row-major [r, c] buffer is a column-major [c, r] matrix with ld c (op applied by TRANS*)
@@ -411,12 +492,12 @@ def _lt_scratch_run(ctx, lt, sp, handle, layouts, one, zero):
     gradient of a backward), so tuning at bind time never touches the program's buffers; release
     drops the scratch arrays and destroys the descriptor naming them, once the timing is done."""
     cp = ctx.cp
-    fwd = sp["act"] in ("relu", "relu_aux", "gelu")
+    fwd = sp["act"] in _FWD
     aux = sp["aux"]
     d = cp.empty_like(sp["D"])
-    bias = sp["bias"] if fwd else cp.empty_like(sp["bias"])
+    bias = sp["bias"] if fwd or sp["bias"] is None else cp.empty_like(sp["bias"])
     aux_s = None if aux is None else (cp.empty_like(aux) if fwd else aux)
-    desc = _lt_desc(lt, sp, bias.data.ptr, None if aux_s is None else aux_s.data.ptr)
+    desc = _lt_desc(lt, sp, None if bias is None else bias.data.ptr, None if aux_s is None else aux_s.data.ptr)
     la, lb, ld = layouts
     a_ptr, b_ptr, d_ptr = sp["A"].data.ptr, sp["B"].data.ptr, d.data.ptr
 
@@ -458,6 +539,9 @@ def _unfused(ctx, stream, ins, outs, act) -> None:
         m = cp.empty((x.shape[0], w.shape[1]), x.dtype)
         h = outs[0] if act == "gelu" else cp.empty_like(m)
     _twin("matmul")(ctx, stream, [x, w], [m], dict(STDLIB["matmul"].attrs))
+    if act == "bias":
+        _twin("add")(ctx, stream, [m, b], [y], {})
+        return
     _twin("add")(ctx, stream, [m, b], [h], {})
     _twin("gelu" if act == "gelu" else "relu")(ctx, stream, [h], [y], {})
 
@@ -472,16 +556,17 @@ def _bwd_unfused(ctx, stream, ins, outs, act, attrs) -> None:
         t = cp.empty(((dz.shape[1] if ta else dz.shape[0]), (w.shape[0] if tb else w.shape[1])), dz.dtype)
     _twin("matmul")(ctx, stream, [dz, w], [t], {"ta": ta, "tb": tb})
     _twin("gelu_grad" if act == "dgelu" else "relu_grad")(ctx, stream, [t, ins[2]], [outs[0]], {})
-    _twin("sum")(ctx, stream, [outs[0]], [outs[1]], {"axis": 0})
+    if act != "drelu_only":
+        _twin("sum")(ctx, stream, [outs[0]], [outs[1]], {"axis": 0})
 
 
 def _gemm_act_cuda(act):
     def run(ctx, stream, ins, outs, attrs):
         plan = _lt_plan(ctx, stream, ins, outs, act, attrs) if ctx is not None else None
-        if plan is not None and act == "drelu" and not _LT_MASKS.get(ins[3].data.ptr, False):
+        if plan is not None and act in ("drelu", "drelu_only") and not _LT_MASKS.get(ins[3].data.ptr, False):
             plan = None  # the forward fell back and wrote no mask: the three kernels, on y
         if plan is None:
-            if act in ("drelu", "dgelu"):
+            if act in ("drelu", "dgelu", "drelu_only"):
                 _bwd_unfused(ctx, stream, ins, outs, act, attrs)
             else:
                 _unfused(ctx, stream, ins, outs, act)
@@ -496,8 +581,33 @@ def _gemm_act_cuda(act):
     return run
 
 
+gemm_bias_cuda = _gemm_act_cuda("bias")
 gemm_bias_relu_cuda = _gemm_act_cuda("relu")
 gemm_bias_relu_aux_cuda = _gemm_act_cuda("relu_aux")
 gemm_bias_gelu_cuda = _gemm_act_cuda("gelu")
 gemm_drelu_bgrad_cuda = _gemm_act_cuda("drelu")
 gemm_dgelu_bgrad_cuda = _gemm_act_cuda("dgelu")
+_gemm_drelu_lt = _gemm_act_cuda("drelu_only")
+
+
+def gemm_drelu_cuda(ctx, stream, ins, outs, attrs):
+    """dpre = relu_grad(op(dz) @ op(w), y): the skinny product gated by y where it takes the
+    problem (bitwise the unfused pair), else cuBLASLt's DRELU epilogue on the forward's mask,
+    else matmul's twin and relu_grad's on y."""
+    from streamsched.stdlib.kernels._cuda import _skinny_gemm
+
+    dz, w, y = ins[0], ins[1], ins[2]
+    ta, tb = _flags(attrs)
+    if ctx is not None and _skinny_gemm(ctx, stream, dz, w, outs[0], ta, tb, gate=y):
+        return
+    _gemm_drelu_lt(ctx, stream, ins, outs, attrs)
+
+
+def _gemm_drelu_prepare(ctx, stream, ins, outs, attrs):
+    from streamsched.stdlib.kernels._cuda import _skinny_applies
+
+    if ctx is not None and not _skinny_applies(ins[0], ins[1], outs[0], *_flags(attrs), gate=ins[2]):
+        _gemm_drelu_lt.prepare(ctx, stream, ins, outs, attrs)
+
+
+gemm_drelu_cuda.prepare = _gemm_drelu_prepare
