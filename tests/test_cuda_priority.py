@@ -48,7 +48,9 @@ def test_the_captured_kernels_carry_their_tasks_priorities(cp, monkeypatch):
     from streamsched.pipeline import compile_file
 
     monkeypatch.setenv("STREAMSCHED_PRIORITIES", "slack")
-    c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"), capture="step")
+    # unfused: with relu_grad fused into the dX GEMMs (gated products) the dX chain of this small
+    # model is no longer than the dW branches, and every GEMM is critical (one level)
+    c = compile_file(os.path.join(EXAMPLES, "mlp_digits.sched"), capture="step", fuse=False)
     ex = CudaExecutor(c.schedule, c.plan, capture="step")
     try:
         assert ex.task_priority, "no priorities were set"
