@@ -363,18 +363,11 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         t1, t2 = tasks[i], tasks[i + 1]
         if i <= reach:
             continue
-        if t1.kernel != "matmul" or any(k not in ("ta", "tb") for k, _ in t1.attrs) or t2.kernel not in _BWD:
+        if t2.kernel not in _BWD or _product_then(t1, t2, bufs) is None:
             continue
         where = (t1.unit, t1.step, t1.slot, t1.launch)
-        if (t2.unit, t2.step, t2.slot, t2.launch) != where or HOST in (t1.stream, t2.stream):
-            continue
-        if len(t1.args) != 2 or len(t2.args) != 2 or t2.args[0] != t1.outs[0]:
-            continue
-        dy, aux, dpre = t1.outs[0], t2.args[1], t2.outs[0]
-        bdy, baux, bdp = bufs.get(dy), bufs.get(aux), bufs.get(dpre)
-        if bdy is None or baux is None or bdp is None or len(bdy.shape) != 2 \
-                or not bdy.shape == baux.shape == bdp.shape:
-            continue
+        dy, aux, dpre = _product_then(t1, t2, bufs)
+        bdy = bufs[dy]
         # the bias gradient: the first task after t2 reading dpre that is sum(dpre, axis=0), in
         # the same statement; the tasks between (the dW GEMM) must commute with it
         t3, j = None, -1
@@ -474,20 +467,9 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2)
     for i in range(len(tasks) - 1):
         t1, t2 = tasks[i], tasks[i + 1]
-        if t1.kernel != "matmul" or t2.kernel != "relu_grad" or (i - 1) in cand:
+        if t2.kernel != "relu_grad" or (i - 1) in cand or _product_then(t1, t2, bufs) is None:
             continue
-        if any(k not in ("ta", "tb") for k, _ in t1.attrs) or len(t1.args) != 2 or len(t1.outs) != 1:
-            continue
-        if (t1.unit, t1.step, t1.slot, t1.launch) != (t2.unit, t2.step, t2.slot, t2.launch) \
-                or HOST in (t1.stream, t2.stream):
-            continue
-        if len(t2.args) != 2 or len(t2.outs) != 1 or t2.args[0] != t1.outs[0]:
-            continue
-        dy, y, dpre = t1.outs[0], t2.args[1], t2.outs[0]
-        bdy, by, bdp = bufs.get(dy), bufs.get(y), bufs.get(dpre)
-        if bdy is None or by is None or bdp is None or len(bdy.shape) != 2 \
-                or not bdy.shape == by.shape == bdp.shape or not bdy.dtype == by.dtype == bdp.dtype:
-            continue
+        dy, y, dpre = _product_then(t1, t2, bufs)
         if one_stream and t1.stream != t2.stream:
             continue  # explicit: the user orders streams; a missing `after` between them stays an R001
         if t2.stream != t1.stream and t2.site is not None and t2.site.placed:
@@ -578,6 +560,22 @@ def _dead_after(name: str, j: int, bufs, touching: "_Touching", readers, writers
     ends = [at[w] for n in cover for w in writers.get(n, ()) if at[w] > j]
     end = min(ends, default=len(at))
     return not any(j < at[r] <= end for n in over for r in readers.get(n, ()))
+
+
+def _product_then(t1: Task, t2: Task, bufs) -> tuple[str, str, str] | None:
+    """(dy, aux, dpre) when t1 is `matmul(dz, w) -> dy` (transpose flags only) and t2 the
+    activation gradient `t2(dy, aux) -> dpre` right after it in one unit, step, slot and launch,
+    on device streams, the three buffers 2-D of one shape and dtype; else None."""
+    if t1.kernel != "matmul" or any(k not in ("ta", "tb") for k, _ in t1.attrs) or len(t1.args) != 2 \
+            or len(t1.outs) != 1 or len(t2.args) != 2 or len(t2.outs) != 1 or t2.args[0] != t1.outs[0]:
+        return None
+    if (t1.unit, t1.step, t1.slot, t1.launch) != (t2.unit, t2.step, t2.slot, t2.launch) or HOST in (t1.stream, t2.stream):
+        return None
+    names = (t1.outs[0], t2.args[1], t2.outs[0])
+    bs = [bufs.get(n) for n in names]
+    if any(b is None for b in bs) or len(bs[0].shape) != 2 or len({(tuple(b.shape), b.dtype) for b in bs}) != 1:
+        return None
+    return names
 
 
 def _apart(bufs, a: str, b: str) -> bool:
