@@ -428,6 +428,18 @@ def test_a_gradient_the_user_placed_on_another_stream_is_never_moved(place, fuse
         assert ("gemm_relu_grad" in kinds) == (not place.startswith("place relu.backward"))
 
 
+@pytest.mark.parametrize("stream", ["comp2", "comp3"])
+def test_placing_an_ops_backward_leaves_its_forward_free_to_fuse(stream):
+    """`place relu.backward on ...` places the backward task only: the forward relu still fuses
+    into its GEMM's epilogue (it used to count as placing the forward too)."""
+    text = _mlp_text().replace("\ntrain {", f"\nplace relu.backward on {stream}\n\ntrain {{")
+    c = compile_file("gen.sched", text)
+    assert c.ok
+    assert sum(t.kernel in ("gemm_bias_relu", "gemm_bias_relu_aux") for t in c.schedule.tasks) == 2 * c.schedule.steps
+    grads = [t for t in c.schedule.tasks if t.kernel == "relu_grad"]
+    assert (not grads) == (stream == "comp3") and all(t.stream == stream for t in grads)
+
+
 def test_explicit_policy_fuses_the_backward_only_on_one_stream():
     """Under `barriers = explicit` the user orders the streams: the GELU layers' dX GEMM and
     gelu_grad (comp3) and the bias sum (comp2) stay apart; all on one stream, they fuse."""

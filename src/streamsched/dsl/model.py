@@ -102,7 +102,8 @@ class _ModelExpander:
                 # `after` on model lines names model values: tasks answer to their value's name
                 opname = st.call.func.id
                 placed = st.clauses.on is not None or opname in self.scope.places or \
-                    any(k.startswith(opname + ".") for k in self.scope.places)
+                    any(k.startswith(opname + ".") and not (k + ".").startswith(opname + ".backward.")
+                        for k in self.scope.places)  # a `place` of the op's backward leaves its forward
                 for i in range(first, len(fwd)):
                     path = st.path or (("", st.targets[0].id, st.clauses.tail),)
                     site = evolve(fwd[i].site or Site(), line=st.targets[0].id, line_tail=st.clauses.tail,
