@@ -193,9 +193,6 @@ def _pairs(tasks, bufs, kernels, stdlib):
 
 
 _EPI = {"relu": "gemm_bias_relu", "gelu": "gemm_bias_gelu"}
-_BIAS_ALONE = True
-"""Whether a matmul and its bias add fuse without an activation (gemm_bias); benchmarks turn it off
-to measure what it gains."""
 _EPI_KERNELS = ("matmul", "add", "relu", "gelu", "gemm_bias", "gemm_bias_relu", "gemm_bias_gelu")
 
 
@@ -213,14 +210,12 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     for i, t1 in enumerate(tasks):
         if t1.kernel != "matmul" or i + 1 >= len(tasks):
             continue
-        t2, t3 = tasks[i + 1], tasks[i + 2] if i + 2 < len(tasks) else tasks[i + 1]
+        t2, t3 = tasks[i + 1], tasks[i + 2] if i + 2 < len(tasks) else None
         if any(v for _, v in t1.attrs) or t2.kernel != "add" or len(t2.args) != 2 or t2.args[0] != t1.outs[0]:
             continue
-        if t3.kernel not in _EPI or t3.args != t2.outs \
-                or (t3.unit, t3.step, t3.slot, t3.launch) != (t1.unit, t1.step, t1.slot, t1.launch):
+        if t3 is not None and (t3.kernel not in _EPI or t3.args != t2.outs
+                               or (t3.unit, t3.step, t3.slot, t3.launch) != (t1.unit, t1.step, t1.slot, t1.launch)):
             t3 = None  # no activation the epilogue takes: the bias alone (gemm_bias)
-            if not _BIAS_ALONE:
-                continue
         parts = (t2,) if t3 is None else (t2, t3)
         if any((u.unit, u.step, u.slot, u.launch) != (t1.unit, t1.step, t1.slot, t1.launch) for u in parts):
             continue
@@ -363,10 +358,11 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         t1, t2 = tasks[i], tasks[i + 1]
         if i <= reach:
             continue
-        if t2.kernel not in _BWD or _product_then(t1, t2, bufs) is None:
+        names = _product_then(t1, t2, bufs) if t2.kernel in _BWD else None
+        if names is None:
             continue
         where = (t1.unit, t1.step, t1.slot, t1.launch)
-        dy, aux, dpre = _product_then(t1, t2, bufs)
+        dy, aux, dpre = names
         bdy = bufs[dy]
         # the bias gradient: the first task after t2 reading dpre that is sum(dpre, axis=0), in
         # the same statement; the tasks between (the dW GEMM) must commute with it
@@ -442,6 +438,8 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
 
 
 _GATED = ("matmul", "relu_grad", "gemm_relu_grad", "gemm_drelu", "gemm_bias_relu", "gemm_bias_relu_aux")
+
+
 def _drelu() -> bool:
     """Whether a gated product that is not skinny takes cuBLASLt's DRELU epilogue (gemm_drelu):
     with the backward epilogues (`STREAMSCHED_BWD_EPILOGUES=1`) only.  Measured on the H200
@@ -467,9 +465,10 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2)
     for i in range(len(tasks) - 1):
         t1, t2 = tasks[i], tasks[i + 1]
-        if t2.kernel != "relu_grad" or (i - 1) in cand or _product_then(t1, t2, bufs) is None:
+        names = _product_then(t1, t2, bufs) if t2.kernel == "relu_grad" else None
+        if names is None:
             continue
-        dy, y, dpre = _product_then(t1, t2, bufs)
+        dy, y, dpre = names
         if one_stream and t1.stream != t2.stream:
             continue  # explicit: the user orders streams; a missing `after` between them stays an R001
         if t2.stream != t1.stream and t2.site is not None and t2.site.placed:

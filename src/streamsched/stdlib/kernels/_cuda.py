@@ -493,11 +493,6 @@ def _skinny_case(a, b, c, ta: bool = False, tb: bool = False, gate=None):
     return None
 
 
-def _skinny_applies(a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
-    """Whether `_skinny_gemm` would take this product (nothing launched)."""
-    return _skinny_case(a, b, c, ta, tb, gate) is not None
-
-
 def _skinny_gemm(ctx, stream, a, b, c, ta: bool = False, tb: bool = False, gate=None) -> bool:
     """c = op(a) @ op(b) (gated by relu_grad's rule, c = gate > 0 ? c : 0, when `gate` is given)
     for f32 / f64 C-contiguous 2-D arrays when the product is skinny: k <= SKINNY_K

@@ -278,11 +278,10 @@ fused forward GEMM (made gemm_bias_relu_aux, so that it writes y's relu bitmask 
 the fusion pass, never written.  dz, w as matmul's a, b (ta, tb its flags); y: [m, n], the
 forward's relu output; mask: its gemm_bias_relu_aux bitmask -> dpre: [m, n]; one float dtype.
 CPU: matmul's twin, relu_grad's on the unpacked mask (its bits are y > 0; bitwise the unfused
-pair); CUDA: the skinny product gated by y where it takes the problem (bitwise the unfused pair),
-else cuBLASLt's DRELU epilogue on the mask, else the two twins on y (a one-line notice).
+pair); CUDA: cuBLASLt's DRELU epilogue on the mask (the pass makes it for products that are not
+skinny only: k > 32), the two twins on y where cuBLASLt refuses (a one-line notice).
 """, inplace=False, row=DocRow("dz, w, y [m,n], mask -> dpre [m,n]", "comp3",
-                               "dpre = (op(dz) op(w)) where y > 0: cuBLASLt DRELU or the skinny GEMM's gate "
-                               "(made by the fusion pass)"))
+                               "dpre = (op(dz) op(w)) where y > 0: cuBLASLt DRELU (made by the fusion pass)"))
 
 
 # ============================================================================================
@@ -302,7 +301,7 @@ def gemm_relu_grad_cuda(ctx, stream, ins, outs, attrs):
     from streamsched.stdlib.kernels._cuda import _skinny_gemm
 
     dz, w, y = ins
-    ta, tb = bool(attrs.get("ta", False)), bool(attrs.get("tb", False))
+    ta, tb = _flags(attrs)
     if ctx is not None and _skinny_gemm(ctx, stream, dz, w, outs[0], ta, tb, gate=y):
         return
     _gemm(ctx, stream, dz, w, outs[0], ta, tb)
@@ -585,27 +584,4 @@ gemm_bias_relu_aux_cuda = _gemm_act_cuda("relu_aux")
 gemm_bias_gelu_cuda = _gemm_act_cuda("gelu")
 gemm_drelu_bgrad_cuda = _gemm_act_cuda("drelu")
 gemm_dgelu_bgrad_cuda = _gemm_act_cuda("dgelu")
-_gemm_drelu_lt = _gemm_act_cuda("drelu_only")
-
-
-def gemm_drelu_cuda(ctx, stream, ins, outs, attrs):
-    """dpre = relu_grad(op(dz) @ op(w), y): the skinny product gated by y where it takes the
-    problem (bitwise the unfused pair), else cuBLASLt's DRELU epilogue on the forward's mask,
-    else matmul's twin and relu_grad's on y."""
-    from streamsched.stdlib.kernels._cuda import _skinny_gemm
-
-    dz, w, y = ins[0], ins[1], ins[2]
-    ta, tb = _flags(attrs)
-    if ctx is not None and _skinny_gemm(ctx, stream, dz, w, outs[0], ta, tb, gate=y):
-        return
-    _gemm_drelu_lt(ctx, stream, ins, outs, attrs)
-
-
-def _gemm_drelu_prepare(ctx, stream, ins, outs, attrs):
-    from streamsched.stdlib.kernels._cuda import _skinny_applies
-
-    if ctx is not None and not _skinny_applies(ins[0], ins[1], outs[0], *_flags(attrs), gate=ins[2]):
-        _gemm_drelu_lt.prepare(ctx, stream, ins, outs, attrs)
-
-
-gemm_drelu_cuda.prepare = _gemm_drelu_prepare
+gemm_drelu_cuda = _gemm_act_cuda("drelu_only")
