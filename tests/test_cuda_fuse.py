@@ -20,7 +20,7 @@ from streamsched.stdlib.kernels import KERNELS
 pytestmark = pytest.mark.cuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZES = [(1,), (4096,), (4097,), (33, 65), (0,), (784, 31)]
+SIZES = [(1,), (1024,), (4096,), (4097,), (33, 65), (0,), (784, 31)]  # 1024: a chunk exactly; 4097: four and one
 _rng = np.random.default_rng(7)
 
 

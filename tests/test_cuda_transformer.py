@@ -92,6 +92,11 @@ CASES = [
      {"heads": 5, "context": 70}, False),
     ("attn_fused_grad", [_f(400, 128), _f(400, 128), _f(400, 128), _f(400, 128), _probs(2, 2, 200)],
      {"heads": 2, "context": 200}, False),
+    # t = 128, dh = 16: the tiled kernels loop over 64-row, 64-column tiles
+    ("attn_fused", [_f(256, 32), _f(256, 32), _f(256, 32)], {"heads": 2, "context": 128}, False),
+    ("attn_fused", [_f(256, 32), _f(256, 32), _f(256, 32)], {"heads": 2, "context": 128, "causal": False}, False),
+    ("attn_fused_grad", [_f(256, 32), _f(256, 32), _f(256, 32), _f(256, 32), _probs(2, 2, 128)],
+     {"heads": 2, "context": 128}, False),
     # dh = 32: the backward's staged operands take 58 KiB, past the plain 48 KiB (the opt-in)
     ("attn_fused", [_f(128, 64), _f(128, 64), _f(128, 64)], {"heads": 2, "context": 64}, False),
     ("attn_fused_grad", [_f(128, 64), _f(128, 64), _f(128, 64), _f(128, 64), _probs(2, 2, 64)],
@@ -263,6 +268,7 @@ def test_fused_attention_backward_bits_do_not_depend_on_the_block_shape(cp, ctx,
     (warps, rows per warp) gives bitwise the same dq, dk, dv as the first version's one row a
     warp, 8 warps a block."""
     name, ins, attrs, _ = CASES[case]
+    monkeypatch.setattr(kt, "_ATTN_TILED", False)
     runs = []
     for shape in ((8, 1), (16, 2), (4, 3), (16, 4)):
         monkeypatch.setattr(kt, "_ATTN_BWD", shape)
@@ -270,6 +276,53 @@ def test_fused_attention_backward_bits_do_not_depend_on_the_block_shape(cp, ctx,
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0].startswith("attn_fused")],
+                         ids=lambda i: f"{i}-{CASES[i][0]}")
+def test_tiled_attention_is_bitwise_the_row_kernels(cp, ctx, case, monkeypatch):
+    """ss_attn_fwd_tiled / ss_attn_bwd_tiled take the products, maxima and sums of ss_attn_fwd /
+    ss_attn_bwd (one row a warp) in the same order: bitwise the same y, p / dq, dk, dv, whatever
+    the split of a head's rows over blocks; the backward cases it does not fit (t = 200,
+    dh = 64: 530 KiB) take ss_attn_bwd, so also agree."""
+    name, ins, attrs, _ = CASES[case]
+    monkeypatch.setattr(kt, "_ATTN_TILED", False)
+    want = _device(cp, ctx, name, ins, attrs)
+    monkeypatch.setattr(kt, "_ATTN_TILED", True)
+    for rows in ((16, 32), (32, 16), (7, 100), (1000, 1000)):
+        monkeypatch.setattr(kt, "_ATTN_TILED_ROWS", rows)
+        got = _device(cp, ctx, name, ins, attrs)
+        for a, b in zip(want, got):
+            assert a.tobytes() == b.tobytes(), rows
+
+
+def test_tiled_attention_runs_where_it_fits(cp, ctx, monkeypatch):
+    """The GPT step's shape (t = 64, dh = 16, f32): the backward's 50 KiB of shared memory, past the
+    plain 48 KiB, take the tiled kernel where the device's opt-in limit allows it, the row kernel
+    under 48 KiB; the forward's 14 KiB take the tiled kernel under 48 KiB."""
+    names = []
+    real = kt._attn_fn
+    monkeypatch.setattr(kt, "_attn_fn", lambda name, *a: names.append(name) or real(name, *a))
+    ins = [_f(256, 64), _f(256, 64), _f(256, 64), _f(256, 64), _probs(4, 4, 64)]
+    at = {"heads": 4, "context": 64}
+    need = kt._attn_tiled_smem(64, 16, 4)
+    assert need == (4 * 64 * 17 + 2 * 64 * 65) * 4 > 48 * 1024
+    got = _device(cp, ctx, "attn_fused_grad", ins, at)
+    fits = need <= kt._attn_smem(cp.cuda.Device().id)
+    assert (names[0] == "ss_attn_bwd_tiled") == fits
+    _compare(got, _numpy("attn_fused_grad", ins, at), False, "attn_fused_grad")
+    names.clear()
+    monkeypatch.setattr(kt, "_ATTN_SMEM", 48 * 1024)
+    _device(cp, ctx, "attn_fused_grad", ins, at)
+    assert names == ["ss_attn_bwd"]
+    names.clear()
+    fwd = _device(cp, ctx, "attn_fused", ins[1:4], at)  # 14 KiB: tiled under the plain limit
+    assert names == ["ss_attn_fwd_tiled"]
+    _compare(fwd, _numpy("attn_fused", ins[1:4], at), False, "attn_fused")
+    assert kt._attn_fwd_rows(64, 16, 4, 48 * 1024) == 16
+    assert kt._attn_fwd_rows(1024, 64, 4, 227 * 1024) is None  # K and V alone take 520 KiB
+    monkeypatch.setattr(kt, "_ATTN_TILED_ROWS", (256, 32))
+    assert kt._attn_fwd_rows(256, 64, 4, 227 * 1024) == 64  # 128 rows: 290 KiB; 64 rows: 211 KiB
 
 
 def test_fused_attention_backward_takes_the_opt_in_shared_memory(cp):

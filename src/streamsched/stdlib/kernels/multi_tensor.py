@@ -113,12 +113,17 @@ FAMILY.kernels["multi_tensor"] = dataclasses.replace(FAMILY.kernels["multi_tenso
 # outside any capture (CuPy refuses host-to-device copies while capturing, CUDA_PITFALLS rule 8)
 # and kept alive by this module's cache as long as the arrays it points into.
 
-_CHUNK = 4096  # elements per block (256 threads, 16 elements each)
+_CHUNK = 1024
+"""Elements per block (256 threads, 4 elements each).  4096 (16 each) left the GPT step's AdamW
+over ~40 blocks, latency-bound: 17 us on the H200 for about 150,000 parameters."""
 
 # Each kernel's body is the unfused CUDA twin's formula, in the same dtype (T_t: the tensor's,
 # computed in it as the ElementwiseKernel twins do; A_t where those twins widen), FMA off.
 _MULTI_SRC = r"""
-#define SS_CHUNK 4096
+#define SS_CHUNK 1024
+#define SS_PER 4  // SS_CHUNK / 256 threads: the elements of one thread, loaded before any store
+#define SS_EACH(u, i) for (int u = 0; u < SS_PER; ++u) \
+    for (long long i = s0 + threadIdx.x + (long long)u * blockDim.x; i < s1; i = s1)
 #define SS_PART \
     int b = blockIdx.x; int ti = btens[b]; long long s0 = bstart[b]; \
     long long s1 = s0 + SS_CHUNK < sizes[ti] ? s0 + SS_CHUNK : sizes[ti];
@@ -148,13 +153,16 @@ extern "C" __global__ void ss_multi_sgd(const long long* ptrs, const long long* 
     const X_t* dw = (const X_t*)ptrs[n + ti];
     X_t* v = (X_t*)ptrs[2 * n + ti];
     X_t lrv = (X_t)lr[0];
-    for (long long i = s0 + threadIdx.x; i < s1; i += blockDim.x) {
-        X_t g = dw[i], ww = w[i];
-        X_t gg = wd != 0.0 ? g + (X_t)wd * ww : g;
-        X_t vn = mu != 0.0 ? (X_t)mu * v[i] + gg : gg;
+    X_t g[SS_PER], ww[SS_PER], vv[SS_PER];
+#pragma unroll
+    SS_EACH(u, i) { g[u] = dw[i]; ww[u] = w[i]; vv[u] = mu != 0.0 ? v[i] : (X_t)0; }
+#pragma unroll
+    SS_EACH(u, i) {
+        X_t gg = wd != 0.0 ? g[u] + (X_t)wd * ww[u] : g[u];
+        X_t vn = mu != 0.0 ? (X_t)mu * vv[u] + gg : gg;
         X_t st = nesterov ? gg + (X_t)mu * vn : vn;
         v[i] = vn;
-        w[i] = ww - lrv * st;
+        w[i] = ww[u] - lrv * st;
     }
 }
 
@@ -173,8 +181,12 @@ extern "C" __global__ void ss_multi_adam(const long long* ptrs, const long long*
     X_t step_size = (X_t)(lrd / (1.0 - pow(b1, tt)));
     X_t bc2 = (X_t)sqrt(1.0 - pow(b2, tt));
     X_t dec = (X_t)(1.0 - lrd * wd);
-    for (long long i = s0 + threadIdx.x; i < s1; i += blockDim.x) {
-        X_t g = dw[i], ww = w[i], mm = m[i], vv = v[i];
+    X_t ga[SS_PER], wa[SS_PER], ma[SS_PER], va[SS_PER];
+#pragma unroll
+    SS_EACH(u, i) { ga[u] = dw[i]; wa[u] = w[i]; ma[u] = m[i]; va[u] = v[i]; }
+#pragma unroll
+    SS_EACH(u, i) {
+        X_t g = ga[u], ww = wa[u], mm = ma[u], vv = va[u];
         X_t gg = g;
         if (wd != 0.0) {
             if (decoupled) ww = ww * dec;
@@ -308,24 +320,41 @@ extern "C" __global__ void ss_multi_sumsq_part(const long long* ptrs, const long
     if (threadIdx.x == 0) part[b] = s;
 }
 
-// Phase 2, one thread: tensor by tensor (blocks of one tensor are adjacent, in chunk order), the
-// tensor's sum added to the running total and rounded to S_t, as the parts one after another do.
-extern "C" __global__ void ss_multi_sumsq_total(const int* btens, const double* part, int nblocks,
-                                                const S_t* acc, S_t* out) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// Phase 2, one block of SS_B threads, SS_B tensors at a time: thread by tensor, the tensor's
+// ceil(size / SS_CHUNK) block sums (adjacent from first[ti], -1 for an empty tensor) added in
+// chunk order into shared memory; then thread 0, tensor by tensor, adds each to the running
+// total, rounded to S_t, as the parts one after another do.
+extern "C" __global__ void ss_multi_sumsq_total(const long long* sizes, const double* part, const int* first,
+                                                int n, const S_t* acc, S_t* out) {
+    __shared__ double sh[SS_B];
+    __shared__ int ok[SS_B];
     S_t a = acc[0];
-    double s = 0.0;
-    for (int k = 0; k < nblocks; ++k) {
-        s += part[k];
-        if (k + 1 == nblocks || btens[k + 1] != btens[k]) {
-            ss_put(&a, ss_wide(a) + s);
-            s = 0.0;
+    for (int t0 = 0; t0 < n; t0 += SS_B) {
+        int ti = t0 + threadIdx.x;
+        if (ti < n) {
+            int k = first[ti];
+            double s = 0.0;
+            if (k >= 0) {
+                int nb = (int)((sizes[ti] + SS_CHUNK - 1) / SS_CHUNK);
+#pragma unroll 8
+                for (int kk = 0; kk < nb; ++kk) s += part[k + kk];
+            }
+            sh[threadIdx.x] = s;
+            ok[threadIdx.x] = k >= 0;
         }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int u = 0; u < SS_B && t0 + u < n; ++u)
+                if (ok[u]) ss_put(&a, ss_wide(a) + sh[u]);
+        __syncthreads();
     }
-    out[0] = a;
+    if (threadIdx.x == 0) out[0] = a;
 }
 """
 
+
+
+assert f"#define SS_CHUNK {_CHUNK}\n" in _MULTI_SRC and _CHUNK == 4 * 256  # SS_PER elements a thread
 
 
 def _split_kernels(src: str) -> dict[str, str]:
@@ -411,7 +440,12 @@ def _build(base: str, cols):
     dev = cp.asarray(host)
     btens = cp.asarray(np.array(bt, np.int32))
     k = len(ptrs)
-    part = cp.zeros(max(1, len(bt)), cp.float64) if base == "grad_sumsq" else None  # phase-1 sums
+    part = None
+    if base == "grad_sumsq":  # phase-1 sums, and each tensor's first block (-1: empty)
+        first = np.full(n, -1, np.int32)
+        for blk in range(len(bt) - 1, -1, -1):
+            first[bt[blk]] = blk
+        part = (cp.zeros(max(1, len(bt)), cp.float64), cp.asarray(first))
     entry = (dev[:k], dev[k:k + n], btens, dev[k + n:], len(bt), n, part)
     cur = cp.cuda.get_current_stream()
     if not cur.is_capturing():  # the uploads finished before a kernel on another stream reads them
@@ -534,10 +568,11 @@ def multi_tensor_cuda(ctx, stream, ins, outs, attrs):
             _fallback(ctx, stream, parts, base)
             return
         total = _cnn_fn("multi:ss_multi_sumsq_total", "ss_multi_sumsq_total", X_t=x, S_t=acc.dtype, A_t=_acc_of(x))
+        sums, first = part
         with _stream(ctx, stream):
             if nblocks:
-                _cnn_fn("multi:" + fname, fname, X_t=x, S_t=acc.dtype, A_t=_acc_of(x))((nblocks,), (256,), head + (part,))
-            total((1,), (32,), (btens, part, np.int32(nblocks), acc, out))
+                _cnn_fn("multi:" + fname, fname, X_t=x, S_t=acc.dtype, A_t=_acc_of(x))((nblocks,), (256,), head + (sums,))
+            total((1,), (256,), (sizes, sums, first, np.int32(n), acc, out))
         return
     elif base == "amp_lars_step":
         lr, scale, found = _common(parts, 4), _common(parts, 5), _common(parts, 6)

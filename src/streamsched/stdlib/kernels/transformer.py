@@ -1040,7 +1040,9 @@ extern "C" __global__ void ss_causal_mask(X_t* s, long long size, int t) {
 """
 
 # Fused attention (attn_fused, attn_fused_grad).  The head slice of sequence b, head h in a flat
-# [n, d] array: element (r, c) at base + r * d + c, base = b * t * d + h * dh.  Two variants:
+# [n, d] array: element (r, c) at base + r * d + c, base = b * t * d + h * dh.  Three variants:
+#   tiled (ss_attn_fwd_tiled, ss_attn_bwd_tiled in _ATTN_FAST): 16 x 16 threads in register
+#     tiles, bitwise the fast ones below, where their shared memory fits (_ATTN_TILED);
 #   fast (_ATTN_FAST): the head's slices copied into shared memory (rows padded to dh + 1, so
 #     lanes reading one column of consecutive rows hit distinct banks), one warp per query row
 #     (forward) or per row and column (backward), 8 warps a block forward, 16 backward; taken
@@ -1198,6 +1200,245 @@ extern "C" __global__ void ss_attn_bwd(const X_t* dy, const X_t* q, const X_t* k
         __syncwarp();
     }
 }
+
+// The register-tiled forward (what runs where its operands fit, ss_attn_fwd past that): the
+// products, maxima and sums of ss_attn_fwd in the same order, so bitwise its y and p, over
+// 16 x 16 threads (ty, tx) in register tiles.  grid (b * heads, ceil(t / rows)), 256 threads;
+// the block's query rows i = r0 + ...: thread (ty, tx) takes the SS_TFU x 4 tile of rows
+// i0 + ty + 16u, keys j0 + tx + 16w of s_ij; the row's max and double sum are ss_attn_fwd's
+// warp reductions (its lane l took keys l, l + 32, ...: here tx's even and odd w, then the
+// half-warp's butterfly); then y_ic = sum_j p_ij v_jc, SS_TRA rows of column c = tx a thread.
+// Shared: K, V [t, dh + 1], the block's q [rows, dh + 1] and rows of s / p [rows, t + 1].
+#define SS_TFU 2
+#define SS_TRA 2
+extern "C" __global__ void ss_attn_fwd_tiled(const X_t* q, const X_t* k, const X_t* v, X_t* y, X_t* p,
+        int heads, int t, int d, int dh, A_t scale, int causal, int rows) {
+    extern __shared__ unsigned char ss_sm[];
+    int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
+    long long base = (long long)b * t * d + (long long)h * dh;
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    int ld = dh + 1, lp = t + 1;
+    int r0 = blockIdx.y * rows, r1 = min(t, r0 + rows);
+    A_t* ks = (A_t*)ss_sm;
+    A_t* vs = ks + t * ld;
+    A_t* qs = vs + t * ld;
+    A_t* ss = qs + rows * ld;
+    for (int r = ty; r < t; r += 16) {
+        long long g = base + (long long)r * d;
+        for (int c = tx; c < dh; c += 16) {
+            ks[r * ld + c] = SS_LD(k[g + c]);
+            vs[r * ld + c] = SS_LD(v[g + c]);
+        }
+    }
+    for (int r = r0 + ty; r < r1; r += 16)
+        for (int c = tx; c < dh; c += 16) qs[(r - r0) * ld + c] = SS_LD(q[base + (long long)r * d + c]);
+    __syncthreads();
+    for (int i0 = r0; i0 < r1; i0 += 16 * SS_TFU) {
+        A_t m[SS_TFU];
+#pragma unroll
+        for (int u = 0; u < SS_TFU; ++u) m[u] = -(A_t)SS_INF;
+        for (int j0 = 0; j0 < t; j0 += 64) {
+            A_t acc[SS_TFU][4];
+            const A_t* ar[SS_TFU];
+            const A_t* br[4];
+#pragma unroll
+            for (int u = 0; u < SS_TFU; ++u) {
+                ar[u] = qs + (min(i0 + ty + 16 * u, r1 - 1) - r0) * ld;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) acc[u][w] = 0;
+            }
+#pragma unroll
+            for (int w = 0; w < 4; ++w) br[w] = ks + min(j0 + tx + 16 * w, t - 1) * ld;
+            for (int c = 0; c < dh; ++c) {
+                A_t a[SS_TFU], bv[4];
+#pragma unroll
+                for (int u = 0; u < SS_TFU; ++u) a[u] = ar[u][c];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) bv[w] = br[w][c];
+#pragma unroll
+                for (int u = 0; u < SS_TFU; ++u)
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) acc[u][w] = ss_fma(a[u], bv[w], acc[u][w]);
+            }
+#pragma unroll
+            for (int u = 0; u < SS_TFU; ++u) {
+                int i = i0 + ty + 16 * u;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    int j = j0 + tx + 16 * w;
+                    if (i < r1 && j < t) {
+                        A_t sc = (!causal || j <= i) ? ss_round(acc[u][w] * scale) : -(A_t)SS_INF;
+                        ss[(i - r0) * lp + j] = sc;
+                        m[u] = ss_nmax(m[u], sc);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SS_TFU; ++u) {
+            for (int o = 8; o > 0; o >>= 1) m[u] = ss_nmax(m[u], __shfl_xor_sync(0xffffffffu, m[u], o));
+            int i = i0 + ty + 16 * u;
+            A_t* sr = ss + (min(i, r1 - 1) - r0) * lp;
+            double lo = 0.0, hi = 0.0;
+            if (i < r1)
+                for (int j0 = 0; j0 < t; j0 += 32) {
+                    if (j0 + tx < t) lo += (double)ss_e(sr[j0 + tx] - m[u]);
+                    if (j0 + tx + 16 < t) hi += (double)ss_e(sr[j0 + tx + 16] - m[u]);
+                }
+            double sum = lo + hi;
+            for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            A_t den = (A_t)sum;
+            if (i < r1) {
+                X_t* pi = p + ((long long)bh * t + i) * t;
+                for (int j = tx; j < t; j += 16) {
+                    A_t pv = ss_round(ss_e(sr[j] - m[u]) / den);
+                    sr[j] = pv;
+                    ss_put(pi + j, pv);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int rr = r0; rr < r1; rr += 16 * SS_TRA) {
+        int ra[SS_TRA];
+#pragma unroll
+        for (int a = 0; a < SS_TRA; ++a) ra[a] = min(rr + ty + 16 * a, r1 - 1) - r0;
+        for (int c = tx; c < dh; c += 16) {
+            A_t acc[SS_TRA];
+#pragma unroll
+            for (int a = 0; a < SS_TRA; ++a) acc[a] = 0;
+#pragma unroll 4
+            for (int j = 0; j < t; ++j) {
+                A_t vc = vs[j * ld + c];
+#pragma unroll
+                for (int a = 0; a < SS_TRA; ++a) acc[a] = ss_fma(ss[ra[a] * lp + j], vc, acc[a]);
+            }
+#pragma unroll
+            for (int a = 0; a < SS_TRA; ++a) {
+                int r = rr + ty + 16 * a;
+                if (r < r1) ss_put(y + base + (long long)r * d + c, acc[a]);
+            }
+        }
+    }
+}
+
+// The register-tiled backward (what runs where its operands fit, ss_attn_bwd past that): the
+// same products in the same order as ss_attn_bwd, so bitwise its dq, dk, dv, with the work
+// spread over 16 x 16 threads (ty, tx) in register tiles instead of one row a warp.  grid
+// (b * heads, ceil(t / rows)), 256 threads.  Phase 1 (every block, all t rows): thread (ty, tx)
+// takes the 4 x 4 tile of rows i0 + ty + 16u, columns j0 + tx + 16w of dp_ij = dy_i . v_j,
+// rounded into ds; dot_i is ss_attn_bwd's warp sum: its lane l added columns l, l + 32, ...
+// (here tx's even and odd w), then the lanes' butterfly (here 16 + 8 + 4 + 2 + 1: the first
+// step is lo + hi, the rest a half-warp's shuffles); then ds_ij = p_ij (dp_ij - dot_i) in place.
+// Phase 2 (the block's rows r): thread (ty, tx) takes SS_TRA rows r = rr + ty + 16a of column
+// c = tx (+ 16, ...) of dq, dk, dv, each one FMA chain over j ascending, as ss_attn_bwd's lanes.
+// Shared: dy, q, k, v [t, dh + 1]; p, ds [t, t + 1].
+extern "C" __global__ void ss_attn_bwd_tiled(const X_t* dy, const X_t* q, const X_t* k, const X_t* v,
+        const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale, int rows) {
+    extern __shared__ unsigned char ss_sm[];
+    int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
+    long long base = (long long)b * t * d + (long long)h * dh;
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    int ld = dh + 1, lp = t + 1;
+    A_t* dys = (A_t*)ss_sm;
+    A_t* qs = dys + t * ld;
+    A_t* ks = qs + t * ld;
+    A_t* vs = ks + t * ld;
+    A_t* ps = vs + t * ld;
+    A_t* ss = ps + t * lp;
+    for (int r = ty; r < t; r += 16) {
+        long long g = base + (long long)r * d;
+        for (int c = tx; c < dh; c += 16) {
+            dys[r * ld + c] = SS_LD(dy[g + c]);
+            qs[r * ld + c] = SS_LD(q[g + c]);
+            ks[r * ld + c] = SS_LD(k[g + c]);
+            vs[r * ld + c] = SS_LD(v[g + c]);
+        }
+    }
+    const X_t* pb = p + (long long)bh * t * t;
+    for (int i = ty; i < t; i += 16)
+        for (int j = tx; j < t; j += 16) ps[i * lp + j] = SS_LD(pb[(long long)i * t + j]);
+    __syncthreads();
+    for (int i0 = 0; i0 < t; i0 += 64) {
+        double lo[4] = {0.0, 0.0, 0.0, 0.0}, hi[4] = {0.0, 0.0, 0.0, 0.0};
+        for (int j0 = 0; j0 < t; j0 += 64) {
+            A_t acc[4][4];
+            const A_t* ar[4];
+            const A_t* br[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                ar[u] = dys + min(i0 + ty + 16 * u, t - 1) * ld;
+                br[u] = vs + min(j0 + tx + 16 * u, t - 1) * ld;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) acc[u][w] = 0;
+            }
+            for (int c = 0; c < dh; ++c) {
+                A_t a[4], bv[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) { a[u] = ar[u][c]; bv[u] = br[u][c]; }
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) acc[u][w] = ss_fma(a[u], bv[w], acc[u][w]);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int i = i0 + ty + 16 * u;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    int j = j0 + tx + 16 * w;
+                    if (i < t && j < t) {
+                        A_t dp = ss_round(acc[u][w]);
+                        ss[i * lp + j] = dp;
+                        double x = (double)(dp * ps[i * lp + j]);
+                        if (w & 1) hi[u] += x; else lo[u] += x;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            double s = lo[u] + hi[u];
+            for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            A_t dot = (A_t)s;
+            int i = i0 + ty + 16 * u;
+            if (i < t)
+                for (int j = tx; j < t; j += 16) ss[i * lp + j] = ss_round(ps[i * lp + j] * (ss[i * lp + j] - dot));
+        }
+    }
+    __syncthreads();
+    int r1 = min(t, (int)(blockIdx.y + 1) * rows);
+    for (int rr = blockIdx.y * rows; rr < r1; rr += 16 * SS_TRA) {
+        int ra[SS_TRA];
+#pragma unroll
+        for (int a = 0; a < SS_TRA; ++a) ra[a] = min(rr + ty + 16 * a, t - 1);
+        for (int c = tx; c < dh; c += 16) {
+            A_t aq[SS_TRA], ak[SS_TRA], av[SS_TRA];
+#pragma unroll
+            for (int a = 0; a < SS_TRA; ++a) aq[a] = ak[a] = av[a] = 0;
+#pragma unroll 4
+            for (int j = 0; j < t; ++j) {
+                A_t kc = ks[j * ld + c], qc = qs[j * ld + c], dyc = dys[j * ld + c];
+#pragma unroll
+                for (int a = 0; a < SS_TRA; ++a) {
+                    aq[a] = ss_fma(ss[ra[a] * lp + j], kc, aq[a]);
+                    ak[a] = ss_fma(ss[j * lp + ra[a]], qc, ak[a]);
+                    av[a] = ss_fma(ps[j * lp + ra[a]], dyc, av[a]);
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < SS_TRA; ++a) {
+                int r = rr + ty + 16 * a;
+                if (r < r1) {
+                    long long o = base + (long long)r * d + c;
+                    ss_put(dq + o, aq[a] * scale);
+                    ss_put(dk + o, ak[a] * scale);
+                    ss_put(dv + o, av[a]);
+                }
+            }
+        }
+    }
+}
 """
 
 _ATTN_GLOBAL = r"""
@@ -1343,6 +1584,40 @@ t rows, so fewer, larger blocks repeat less of it (8 warps of one row each, the 
 took 32.5 us a layer in the GPT step)."""
 _ATTN_ROWS = 16  # rows (and columns) per block of the global kernels, 4 warps
 _ATTN_GWARPS = 4
+
+
+_ATTN_TILED = True
+"""Whether the forward and the backward take ss_attn_fwd_tiled / ss_attn_bwd_tiled where their
+operands fit (False: ss_attn_fwd / ss_attn_bwd, the one-row-a-warp kernels they reproduce
+bitwise; tests compare the two).  On the H200 in the GPT step (t = 64, dh = 16, 64 heads of
+sequences) ss_attn_fwd took 9.5 us a layer, ss_attn_bwd 28.6 us."""
+_ATTN_TILED_ROWS = (16, 32)
+"""Rows of a head per block of the tiled forward and backward (each forward block stages K and V,
+each backward block repeats phase 1, ds of all t rows).  Measured on the H200 (50 launches
+replayed in a graph, f32, 16 x 4 heads of t = 64, dh = 16): forward 7.6 us at 16 rows, 8.1 at 32,
+13.2 at 64 (ss_attn_fwd 8.6); backward 11.9 us at 16 rows, 8.6 at 32, 11.3 at 64 (ss_attn_bwd
+17.4); at t = 128, 8 x 4 heads: forward 13.7 us at 32 rows, 23.2 at 64 (ss_attn_fwd 14.0),
+backward 18.7 at 32, 23.8 at 64 (ss_attn_bwd 39.6)."""
+
+
+def _attn_fwd_tiled_smem(t: int, dh: int, rows: int, itemsize: int) -> int:
+    """Shared bytes of ss_attn_fwd_tiled for blocks of `rows` query rows: K, V [t, dh + 1], the
+    rows' q [rows, dh + 1] and scores [rows, t + 1]."""
+    return ((2 * t + rows) * (dh + 1) + rows * (t + 1)) * itemsize
+
+
+def _attn_fwd_rows(t: int, dh: int, itemsize: int, limit: int) -> int | None:
+    """Query rows per block of the tiled forward: _ATTN_TILED_ROWS[0] (at most t), halved (to 16
+    at least) while its shared memory is past `limit` bytes; None where even that does not fit."""
+    rows = max(1, min(t, int(_ATTN_TILED_ROWS[0])))
+    while _attn_fwd_tiled_smem(t, dh, rows, itemsize) > limit and rows > 16:
+        rows = max(16, -(-rows // 2))
+    return rows if _attn_fwd_tiled_smem(t, dh, rows, itemsize) <= limit else None
+
+
+def _attn_tiled_smem(t: int, dh: int, itemsize: int) -> int:
+    """Shared bytes of ss_attn_bwd_tiled: dy, q, k, v [t, dh + 1] and p, ds [t, t + 1]."""
+    return (4 * t * (dh + 1) + 2 * t * (t + 1)) * itemsize
 
 
 def _attn_bwd_shape(t: int, dh: int, itemsize: int, limit: int, warps: int | None = None):
@@ -1851,8 +2126,17 @@ def attn_fused_cuda(ctx, stream, ins, outs, attrs):
     acc = np.dtype(_acc_of(q.dtype))
     args = (q, k, v, y, p, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh), acc.type(_scale_of(d, heads)),
             np.int32(bool(attrs.get("causal", True))))
-    smem = (2 * t * (dh + 1) + _ATTN_WARPS * (dh + t)) * acc.itemsize
     dev = q.data.device_id
+    if _ATTN_TILED:
+        rows = _attn_fwd_rows(t, dh, acc.itemsize, _attn_smem(dev))
+        if rows is not None:
+            smem = _attn_fwd_tiled_smem(t, dh, rows, acc.itemsize)
+            f = _attn_fn("ss_attn_fwd_tiled", True, t, q.dtype, acc)
+            if int(f.attributes.get("max_threads_per_block", 1024)) >= 256 and _allow_smem(f, smem, dev):
+                with _stream(ctx, stream):
+                    f((b * heads, -(-t // rows)), (256,), args + (np.int32(rows),), shared_mem=smem)
+                return
+    smem = (2 * t * (dh + 1) + _ATTN_WARPS * (dh + t)) * acc.itemsize
     fast = smem <= _attn_smem(dev)
     f = _attn_fn("ss_attn_fwd", fast, t, q.dtype, acc)
     if fast and not _allow_smem(f, smem, dev):
@@ -1878,6 +2162,15 @@ def attn_fused_grad_cuda(ctx, stream, ins, outs, attrs):
     args = (dy, q, k, v, p, dq, dk, dv, np.int32(heads), np.int32(t), np.int32(d), np.int32(dh),
             acc.type(_scale_of(d, heads)))
     dev = q.data.device_id
+    if _ATTN_TILED:
+        smem = _attn_tiled_smem(t, dh, acc.itemsize)
+        if smem <= _attn_smem(dev):
+            f = _attn_fn("ss_attn_bwd_tiled", True, t, q.dtype, acc)
+            if int(f.attributes.get("max_threads_per_block", 1024)) >= 256 and _allow_smem(f, smem, dev):
+                rows = max(1, min(t, int(_ATTN_TILED_ROWS[1])))
+                with _stream(ctx, stream):
+                    f((b * heads, -(-t // rows)), (256,), args + (np.int32(rows),), shared_mem=smem)
+                return
     shape = _attn_bwd_shape(t, dh, acc.itemsize, _attn_smem(dev))
     f = _attn_fn("ss_attn_bwd", shape is not None, t, q.dtype, acc)
     if shape is not None and 32 * shape[0] > int(f.attributes.get("max_threads_per_block", 1024)):
