@@ -97,6 +97,11 @@ CASES = [
     ("attn_fused", [_f(256, 32), _f(256, 32), _f(256, 32)], {"heads": 2, "context": 128, "causal": False}, False),
     ("attn_fused_grad", [_f(256, 32), _f(256, 32), _f(256, 32), _f(256, 32), _probs(2, 2, 128)],
      {"heads": 2, "context": 128}, False),
+    # f64 at t = 64: dot_i's double sum is not rounded to f32 after, so the order of its terms
+    # (columns l, l + 32 per lane, then the butterfly) shows in the bits
+    ("attn_fused_grad", [_f(128, 32, dt=np.float64), _f(128, 32, dt=np.float64), _f(128, 32, dt=np.float64),
+                         _f(128, 32, dt=np.float64), _probs(2, 2, 64, dt=np.float64)],
+     {"heads": 2, "context": 64}, False),
     # dh = 32: the backward's staged operands take 58 KiB, past the plain 48 KiB (the opt-in)
     ("attn_fused", [_f(128, 64), _f(128, 64), _f(128, 64)], {"heads": 2, "context": 64}, False),
     ("attn_fused_grad", [_f(128, 64), _f(128, 64), _f(128, 64), _f(128, 64), _probs(2, 2, 64)],
