@@ -310,7 +310,7 @@ def test_tiled_attention_runs_where_it_fits(cp, ctx, monkeypatch):
     monkeypatch.setattr(kt, "_attn_fn", lambda name, *a: names.append(name) or real(name, *a))
     ins = [_f(256, 64), _f(256, 64), _f(256, 64), _f(256, 64), _probs(4, 4, 64)]
     at = {"heads": 4, "context": 64}
-    need = kt._attn_tiled_smem(64, 16, 4)
+    need = kt._attn_bwd_tiled_smem(64, 16, 4)
     assert need == (4 * 64 * 17 + 2 * 64 * 65) * 4 > 48 * 1024
     got = _device(cp, ctx, "attn_fused_grad", ins, at)
     fits = need <= kt._attn_smem(cp.cuda.Device().id)

@@ -1615,7 +1615,7 @@ def _attn_fwd_rows(t: int, dh: int, itemsize: int, limit: int) -> int | None:
     return rows if _attn_fwd_tiled_smem(t, dh, rows, itemsize) <= limit else None
 
 
-def _attn_tiled_smem(t: int, dh: int, itemsize: int) -> int:
+def _attn_bwd_tiled_smem(t: int, dh: int, itemsize: int) -> int:
     """Shared bytes of ss_attn_bwd_tiled: dy, q, k, v [t, dh + 1] and p, ds [t, t + 1]."""
     return (4 * t * (dh + 1) + 2 * t * (t + 1)) * itemsize
 
@@ -2163,7 +2163,7 @@ def attn_fused_grad_cuda(ctx, stream, ins, outs, attrs):
             acc.type(_scale_of(d, heads)))
     dev = q.data.device_id
     if _ATTN_TILED:
-        smem = _attn_tiled_smem(t, dh, acc.itemsize)
+        smem = _attn_bwd_tiled_smem(t, dh, acc.itemsize)
         if smem <= _attn_smem(dev):
             f = _attn_fn("ss_attn_bwd_tiled", True, t, q.dtype, acc)
             if int(f.attributes.get("max_threads_per_block", 1024)) >= 256 and _allow_smem(f, smem, dev):
