@@ -222,7 +222,7 @@ def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):
             assert "MemAlloc" not in types and "MemFree" not in types, types
         for t in c.schedule.tasks:
             n_multi += t.kernel == "multi_tensor"
-        assert n_multi >= 2 * c.schedule.steps  # the clear and the update of every step
+        assert n_multi >= c.schedule.steps  # the update of every step (its clear is dead: fuse.py, "Dead clears")
         ex.run(host_fn=lambda task, arrays: None)  # staging and scalars: the slots' zeros will do
         ex.synchronize()
         ex.run(host_fn=lambda task, arrays: None)

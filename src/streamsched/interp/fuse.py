@@ -66,6 +66,46 @@ writes.  With the backward epilogues on (an experiment, off by default), a pair 
 not skinny (k > 32) and whose y is written by fused forward relu GEMMs only becomes
 `gemm_drelu(dz, w, y, mask) -> dpre` instead (cuBLASLt's DRELU on the forward's relu bitmask,
 made exactly as for the backward epilogues above).
+
+Updates in two launches: a run of one optimizer's updates (SGD, Adam, ...) fuses into at most two
+launches, in place of the run, on its stream: the parts whose gradients are ready early first,
+then the rest, when that is estimated to end the run sooner by more than one launch's cost.  The
+estimate is interp/priority.py's roofline (each task's cost; a task starts when its stream is free
+and the last writers of what it reads have finished); a part's readiness is that of its inputs.
+This is the backward of a layer stack: the first layer's weight gradient comes last, and the
+other layers' updates can run beside its GEMM instead of after it.  The parts of a run are
+adjacent in issue order and share no byte, so any order of them is the same program; a run whose
+parts name each other in `after` stays one launch, and the same work in every unrolled step
+(equal `key`s) is split alike.  Where every update waits for one shared input (AMP's found_inf,
+a clipping scale) nothing is gained and the run stays one launch.
+`STREAMSCHED_SPLIT_UPDATES=0` turns this off.
+
+Heavy products in turn: a product of at least HEAVY_FLOPS (a GEMM, a convolution's, attention's)
+fills the device by itself, so two of them side by side gain nothing (on the H200, the batch-2048
+MLP's dX2 and dW2 took 180 and 173 us together against 99 and 88 alone), and they can lose much:
+a single-wave GEMM whose blocks start while another one holds the SMs shares half of them to its
+end (the same dX2 took 221-266 us when dW2's blocks started first).  Each heavy product is
+therefore ordered after the heavy product issued before it in the same unit, step and launch
+(an `after` added to it when they are on two streams), so they run one at a time in issue order.
+This adds orders only: the program's values are unchanged, and nothing else waits.
+`STREAMSCHED_HEAVY_IN_TURN=0` turns it off.
+
+Dead clears: a `fill` task (the stdlib's own; `clear grad(m)` makes one per gradient) is dropped
+when nothing can observe what it writes: for every storage segment it covers, the next task in
+issue order that reads the segment or overwrites it is an overwrite: a device task of a stdlib
+kernel (the stdlib writes every element of each output; a user kernel might not) that writes the
+segment without reading it.  Writes by host tasks and user kernels neither read nor cover.
+The rule is decided on storage segments, so `into` aliases and planned storage reuse count as
+the same bytes; it holds for every unrolled step of the fill's work (its `key`) or for none; a
+fill named in another task's `after` is kept.  Only under `barriers = auto`: under `chain` and
+`explicit` the checker reports the orders a file leaves out, and a clear that races its
+overwrite (or the previous step's read) is the user's bug, which dropping the clear would hide
+from the check of the plan that runs (the same file must be rejected with `--no-fuse` too).  This is the case of a step whose backward writes
+each gradient (dW = x^T dz, db = sum dz): the clear before it is work without effect, which on
+the device also takes bandwidth from the forward it runs beside.  Where a gradient accumulates
+(`add` reads it, a second micro-batch), or a parameter takes no gradient in the step, the clear
+stays.  Removing a dead clear changes no value the program can read; the checker proves the plan
+without it.  `STREAMSCHED_DEAD_FILLS=0` keeps every clear (for comparison).
 """
 
 from __future__ import annotations
@@ -89,6 +129,13 @@ def backward_epilogues() -> bool:
     return os.environ.get("STREAMSCHED_BWD_EPILOGUES", "0") == "1"
 
 
+def split_updates() -> bool:
+    """Whether an optimizer's fused update may be two launches, its gradients' early part first
+    (`STREAMSCHED_SPLIT_UPDATES=0` keeps one launch a run; module docstring, "Updates in two
+    launches")."""
+    return os.environ.get("STREAMSCHED_SPLIT_UPDATES", "1") != "0"
+
+
 def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
     """The schedule with every fusible run of tasks (module docstring) replaced by one
     `multi_tensor` task (kernel "multi_tensor", args/outs the parts' in order, attrs `base` and
@@ -100,7 +147,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
 
     bufs = schedule.buffer_map()
     explicit = schedule.policy == "explicit"
-    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
+    tasks = _dead_fills(schedule, kernels, KERNELS)
+    tasks = _epilogues(_pairs(tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
                        one_stream=explicit)
     if backward_epilogues():
         tasks, masks = _bwd_epilogues(tasks, schedule.buffers, kernels, KERNELS, one_stream=explicit)
@@ -108,6 +156,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         masks = ()
     tasks, more = _gated_products(tasks, schedule.buffers + masks, kernels, KERNELS, one_stream=explicit)
     masks += more
+    tasks = _heavy_in_turn(tasks, schedule)
     # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
     segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
     groups: list[list[Task]] = []
@@ -129,6 +178,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             held = _Held(segs, shared, bufs)
             held.add(own, bufs)
             sig = tsig
+    if split_updates():
+        groups = _split_updates(groups, tasks, schedule, segs)
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
                                        for g in groups):
         return schedule
@@ -154,6 +205,163 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             after = ()
         fixed.append(t if nid == t.id and after == t.after else renumbered(t, nid, after))
     return replace(schedule, tasks=tuple(fixed), buffers=schedule.buffers + masks)
+
+
+HEAVY_FLOPS = 1e9
+"""A product of at least this many flops fills the device on its own (module docstring, "Heavy
+products in turn"): cuBLAS tiles a GEMM of 1 GFLOP into at least a wave of blocks."""
+
+
+def _heavy_in_turn(tasks, schedule: Schedule):
+    """`tasks` with each heavy product (priority.task_flops >= HEAVY_FLOPS) ordered after the heavy
+    product issued before it in its unit, step and launch, when that one is on another stream
+    (an `after` on it; the same stream already orders them); `tasks` itself when none is."""
+    if os.environ.get("STREAMSCHED_HEAVY_IN_TURN", "1") == "0":
+        return tasks
+    from streamsched.interp.priority import task_flops
+
+    shapes = {b.name: tuple(b.shape) for b in schedule.buffers}
+    last: dict[tuple, Task] = {}
+    out, changed = list(tasks), False
+    for i, t in enumerate(tasks):
+        if t.stream == HOST or task_flops(t, shapes) < HEAVY_FLOPS:
+            continue
+        where = (t.unit, t.step, t.launch)
+        p = last.get(where)
+        last[where] = t
+        if p is not None and p.stream != t.stream and p.id not in t.after:
+            out[i] = evolve(t, after=t.after + (p.id,))
+            changed = True
+    return tuple(out) if changed else tasks
+
+
+def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) -> list[list[Task]]:
+    """`groups` with each run of optimizer updates (a FUSIBLE `*_step` kernel) that gains from it
+    split in two (module docstring, "Updates in two launches"); the list itself when none does."""
+    if not any(len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE for g in groups):
+        return groups
+    from streamsched.interp.priority import BYTE_RATE, LAUNCH_US, task_cost_us
+
+    nbytes = {b.name: int(b.nbytes) for b in schedule.buffers}
+    # A split saves at most the bytes of its first launch, so a run of at most LAUNCH_US worth of
+    # bytes in all never gains a launch's cost: no estimate needed when every run is that small.
+    if all(sum(nbytes.get(b, 0) for t in g for b in t.args + t.outs) <= LAUNCH_US * BYTE_RATE
+           for g in groups if len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE):
+        return groups
+    if segs is None:
+        segs = storage_segments(schedule)
+    shapes = {b.name: tuple(b.shape) for b in schedule.buffers}
+    seg_of = lambda n: segs.get(n, ())  # noqa: E731 (an undeclared name: no producer to wait for)
+    done: dict[int, float] = {}  # segment -> estimated finish of its last writer
+    free: dict[str, float] = {}  # stream -> estimated finish of its last task
+    ready: dict[int, float] = {}  # task id -> when its inputs are estimated ready
+    start_of: dict[int, float] = {}  # task id -> when its stream is estimated free
+    for t in tasks:
+        r = max((done.get(x, 0.0) for a in t.args for x in seg_of(a)), default=0.0)
+        ready[t.id], start_of[t.id] = r, free.get(t.stream, 0.0)
+        f = max(r, start_of[t.id]) + (0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes))
+        for o in t.outs:
+            for x in seg_of(o):
+                done[x] = f
+        free[t.stream] = f
+
+    chosen: dict[tuple, frozenset] = {}  # the parts' keys -> the keys of the first launch
+    out: list[list[Task]] = []
+    for g in groups:
+        ids = {t.id for t in g}
+        if len(g) < 3 or not g[0].kernel.endswith("_step") or g[0].kernel not in FUSIBLE \
+                or any(a in ids for t in g for a in t.after):
+            out.append(g)
+            continue
+        keys = tuple(t.key for t in g)
+        first = chosen.get(keys)
+        if first is None:
+            order = sorted(g, key=lambda t: ready[t.id])  # (stable: issue order among equals)
+            s0, rn = start_of[g[0].id], ready[order[-1].id]
+            # a launch's cost: LAUNCH_US + its bytes / BYTE_RATE, the shared scalars once, each
+            # part's own tensors (disjoint from the others') by prefix sums
+            shared_names = set(_own(g[0])[0])
+            shared = sum(nbytes.get(b, 0) for b in shared_names)
+            own_bytes = [sum(nbytes.get(b, 0) for b in dict.fromkeys(t.args + t.outs) if b not in shared_names)
+                         for t in order]
+            total = sum(own_bytes)
+            best, best_k = max(s0, rn) + LAUNCH_US + (shared + total) / BYTE_RATE, len(order)
+            head = 0.0
+            for k in range(1, len(order)):
+                head += own_bytes[k - 1]
+                f1 = max(s0, ready[order[k - 1].id]) + LAUNCH_US + (shared + head) / BYTE_RATE
+                f = max(f1, rn) + LAUNCH_US + (shared + total - head) / BYTE_RATE
+                if f < best - LAUNCH_US:
+                    best, best_k = f, k
+            first = chosen[keys] = frozenset(t.key for t in order[:best_k]) if best_k < len(order) else frozenset()
+        if not first or len(first) == len(g):
+            out.append(g)
+            continue
+        out.append([t for t in g if t.key in first])
+        out.append([t for t in g if t.key not in first])
+    return out
+
+
+def _dead_fills(schedule: Schedule, kernels, stdlib) -> tuple[Task, ...]:
+    """schedule.tasks without its dead clears (module docstring, "Dead clears"); the tuple itself
+    when there is none.  One pass over the tasks builds each storage segment's accesses in issue
+    order; a fill is then decided by one bisection per segment it covers."""
+    tasks = schedule.tasks
+    fill = stdlib.get("fill")
+    if os.environ.get("STREAMSCHED_DEAD_FILLS", "1") == "0" or schedule.policy != "auto" or fill is None or (kernels is not None and kernels.get("fill") is not fill):
+        return tasks
+    if not any(t.kernel == "fill" and t.stream != HOST for t in tasks):
+        return tasks
+    segs = storage_segments(schedule)
+    own: dict[str, tuple[int, ...]] = {}
+
+    def seg_of(name: str) -> tuple[int, ...]:  # an undeclared name: a segment of its own
+        got = segs.get(name)
+        if got is None:
+            got = own.setdefault(name, (-1 - len(own),))
+        return got
+
+    trusted = {k for k in {t.kernel for t in tasks} if kernels is None or kernels.get(k) is stdlib.get(k)}
+    cleared = {s for t in tasks if t.kernel == "fill" for o in t.outs for s in seg_of(o)}
+    rel: dict[str, tuple[int, ...]] = {}  # name -> the cleared segments it covers
+
+    def rel_of(name: str) -> tuple[int, ...]:
+        got = rel.get(name)
+        if got is None:
+            got = rel[name] = tuple(s for s in seg_of(name) if s in cleared)
+        return got
+
+    # cleared segment -> positions of the tasks that read it or overwrite it without reading it
+    # (a write by a host task or a user kernel that reads nothing of it observes nothing: skipped)
+    pos: dict[int, list[int]] = {}
+    blind: dict[int, list[bool]] = {}  # segment -> per position: overwritten (not read)
+    for i, t in enumerate(tasks):
+        r = {s for a in t.args for s in rel_of(a)}
+        over = t.stream != HOST and t.kernel in trusted and t.kernel in stdlib
+        w = {s for o in t.outs for s in rel_of(o)} if over else ()
+        if not r and not w:
+            continue
+        for s in r.union(w):
+            pos.setdefault(s, []).append(i)
+            blind.setdefault(s, []).append(s not in r)
+    named = {a for t in tasks for a in t.after}
+    dead_at: dict[str, bool] = {}  # key -> every fill of that key is dead
+    for i, t in enumerate(tasks):
+        if t.kernel != "fill" or t.stream == HOST or t.id in named or t.args:
+            if t.kernel == "fill":
+                dead_at[t.key] = False
+            continue
+        dead = True
+        for s in {s for o in t.outs for s in seg_of(o)}:
+            ps = pos.get(s, ())
+            j = bisect.bisect_right(ps, i)
+            if j == len(ps) or not blind[s][j]:
+                dead = False
+                break
+        dead_at[t.key] = dead_at.get(t.key, True) and dead
+    if not any(dead_at.values()):
+        return tasks
+    return tuple(t for t in tasks if not (t.kernel == "fill" and dead_at.get(t.key, False)))
 
 
 _PAIR = ("softmax_xent", "softmax_xent_grad", "softmax_xent_fused")

@@ -432,7 +432,10 @@ def _build(base: str, cols):
     sizes = np.array([a.size for a in cols[0]], np.int64)
     ptrs = np.array([a.data.ptr for col in cols for a in col], np.int64)
     bt, bs = [], []
+    first = np.full(n, -1, np.int32)  # each tensor's first block (-1: empty), for grad_sumsq
     for ti, s in enumerate(sizes):
+        if s > 0:
+            first[ti] = len(bt)
         for st in range(0, int(s), _CHUNK):
             bt.append(ti)
             bs.append(st)
@@ -441,10 +444,7 @@ def _build(base: str, cols):
     btens = cp.asarray(np.array(bt, np.int32))
     k = len(ptrs)
     part = None
-    if base == "grad_sumsq":  # phase-1 sums, and each tensor's first block (-1: empty)
-        first = np.full(n, -1, np.int32)
-        for blk in range(len(bt) - 1, -1, -1):
-            first[bt[blk]] = blk
+    if base == "grad_sumsq":  # phase-1 sums, and each tensor's first block
         part = (cp.zeros(max(1, len(bt)), cp.float64), cp.asarray(first))
     entry = (dev[:k], dev[k:k + n], btens, dev[k + n:], len(bt), n, part)
     cur = cp.cuda.get_current_stream()

@@ -1064,6 +1064,12 @@ __device__ __forceinline__ A_t ss_warp_add(A_t v) {
 #define SS_HEAD_OF_BLOCK int bh = blockIdx.x, b = bh / heads, h = bh - b * heads; \
     long long base = (long long)b * t * d + (long long)h * dh; \
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+// The tiled kernels' head: block (head bh, row block blockIdx.y) of 16 x 16 threads, thread
+// (ty, tx); shared rows padded by one (ld = dh + 1 for [t, dh] tiles, lp = t + 1 for [t, t]).
+#define SS_TILE_OF_BLOCK int bh = blockIdx.x, b = bh / heads, h = bh - b * heads; \
+    long long base = (long long)b * t * d + (long long)h * dh; \
+    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4; \
+    int ld = dh + 1, lp = t + 1;
 """
 
 _ATTN_FAST = r"""
@@ -1214,10 +1220,7 @@ extern "C" __global__ void ss_attn_bwd(const X_t* dy, const X_t* q, const X_t* k
 extern "C" __global__ void ss_attn_fwd_tiled(const X_t* q, const X_t* k, const X_t* v, X_t* y, X_t* p,
         int heads, int t, int d, int dh, A_t scale, int causal, int rows) {
     extern __shared__ unsigned char ss_sm[];
-    int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
-    long long base = (long long)b * t * d + (long long)h * dh;
-    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    int ld = dh + 1, lp = t + 1;
+    SS_TILE_OF_BLOCK
     int r0 = blockIdx.y * rows, r1 = min(t, r0 + rows);
     A_t* ks = (A_t*)ss_sm;
     A_t* vs = ks + t * ld;
@@ -1336,10 +1339,7 @@ extern "C" __global__ void ss_attn_fwd_tiled(const X_t* q, const X_t* k, const X
 extern "C" __global__ void ss_attn_bwd_tiled(const X_t* dy, const X_t* q, const X_t* k, const X_t* v,
         const X_t* p, X_t* dq, X_t* dk, X_t* dv, int heads, int t, int d, int dh, A_t scale, int rows) {
     extern __shared__ unsigned char ss_sm[];
-    int bh = blockIdx.x, b = bh / heads, h = bh - b * heads;
-    long long base = (long long)b * t * d + (long long)h * dh;
-    int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    int ld = dh + 1, lp = t + 1;
+    SS_TILE_OF_BLOCK
     A_t* dys = (A_t*)ss_sm;
     A_t* qs = dys + t * ld;
     A_t* ks = qs + t * ld;

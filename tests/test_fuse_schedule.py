@@ -1,0 +1,291 @@
+"""The fusion pass's scheduling rules (interp/fuse.py): dead clears (a clear whose every byte is
+overwritten unread is dropped), updates in two launches (an optimizer's early gradients first),
+and heavy products in turn (two device-filling GEMMs never side by side).  The values a fused plan
+trains are the unfused plan's bitwise (tests/test_fuse.py, for every small example and for
+generated programs); these tests check which tasks each rule touches, against an independent
+recount where the rule is a decision."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamsched.interp.fuse import HEAVY_FLOPS, _dead_fills, fuse_tasks
+from streamsched.interp.ir import HOST, Buffer, Schedule, Task
+from streamsched.interp.priority import task_flops
+from streamsched.pipeline import compile_file
+from streamsched.stdlib.kernels import KERNELS
+from test_soundness_properties import differ, interleavings, outcome
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MLP = """streams {
+    trans  : copy
+    comp1  : compute
+    comp2  : compute
+    comp3  : compute
+    update : update
+}
+model mlp(batch = BATCH) {
+    input x : f32[batch, IN]
+    input y : i32[batch]
+    h1     = linear(x, HID)
+    a1     = relu(h1)
+    h2     = linear(a1, HID)
+    a2     = relu(h2)
+    logits = linear(a2, 10)
+    loss   = softmax_cross_entropy(logits, y)
+}
+graph load[a, b] on trans  { copy batch -> x, y }
+graph zero_grad  on update { clear grad(mlp) }
+graph pass       on comp1  { forward mlp; backward mlp }
+graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
+step train(slot) {
+    upload lr on trans
+    zero_grad
+    PASSES
+    load[next]
+    optimize
+}
+train {
+    model   = mlp
+    data    = digits(test = 0.2, seed = 0)
+    epochs  = 1
+    lr      = 0.01
+    capture = step
+}
+"""
+
+
+def _mlp(tmp_path, batch=128, inp=64, hid=256, passes=1, name="m.sched") -> str:
+    text = MLP.replace("BATCH", str(batch)).replace("IN", str(inp)).replace("HID", str(hid))
+    text = text.replace("PASSES", "\n    ".join(["pass(load[slot])"] * passes))
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _per_step(c, step=1):
+    return [t for t in c.schedule.tasks if t.step == step]
+
+
+# -- dead clears ------------------------------------------------------------------------------
+
+
+def test_the_clear_before_a_backward_that_writes_every_gradient_is_dropped(tmp_path, monkeypatch):
+    path = _mlp(tmp_path)
+    fused = compile_file(path)
+    assert fused.ok
+    assert not [t for t in fused.schedule.tasks if t.kernel == "fill" or t.attr("base") == "fill"]
+    monkeypatch.setenv("STREAMSCHED_DEAD_FILLS", "0")
+    kept = compile_file(path)
+    assert [t.attr("base") for t in _per_step(kept) if t.kernel == "multi_tensor"].count("fill") == 1
+
+
+def test_a_clear_that_a_later_read_can_observe_stays(tmp_path):
+    """The found_inf clear of the AMP step and the clipping sum's clear are read (accumulated
+    into) before any overwrite: both stay."""
+    seed = compile_file(os.path.join(ROOT, "examples", "seed_step.sched"))
+    gpt = compile_file(os.path.join(ROOT, "examples", "gpt_text.sched"))
+    assert [t.label for t in _per_step(seed) if t.kernel == "fill"] == ["zero_grad: clear found_inf"]
+    assert [t.label for t in _per_step(gpt) if t.kernel == "fill"] == ["optimize: clear gnorm"]
+
+
+def test_explicit_barriers_keep_every_clear():
+    """Under `barriers = explicit` the checker reports a clear that races its overwrite: the
+    clear stays so that the plan it proves is the program the user wrote."""
+    c = compile_file(os.path.join(ROOT, "examples", "explicit_mlp.sched"))
+    plain = compile_file(os.path.join(ROOT, "examples", "explicit_mlp.sched"), fuse=False)
+    n = sum(t.kernel == "fill" for t in plain.schedule.tasks)
+    assert n > 0
+    got = sum(t.kernel == "fill" for t in c.schedule.tasks) + \
+        sum(len(t.attr("parts")) for t in c.schedule.tasks if t.attr("base") == "fill")
+    assert got == n
+
+
+def test_a_wide_mlp_without_its_clear_and_with_two_updates_trains_bitwise_the_unfused(tmp_path):
+    """Batch 128, 784-1024-1024-10 (the benchmark's MLP): its clear is dead and its update is two
+    launches, and the values after two steps are the unfused plan's under every interleaving."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 784)).astype(np.float32)
+    y = rng.integers(0, 10, 512).astype(np.int32)
+    np.savez(tmp_path / "data.npz", x_train=x, y_train=y, x_test=x[:64], y_test=y[:64])
+    path = _mlp(tmp_path, batch=128, inp=784, hid=1024)
+    text = open(path).read().replace("digits(test = 0.2, seed = 0)", f'npz("{tmp_path / "data.npz"}")')
+    open(path, "w").write(text)
+    fused, plain = compile_file(path), compile_file(path, fuse=False)
+    assert fused.ok and not [t for t in fused.schedule.tasks if t.kernel == "fill" or t.attr("base") == "fill"]
+    assert len([t for t in _per_step(fused) if t.attr("base") == "sgd_step"]) == 2
+    want = outcome(plain, max_steps=2)
+    for how, got in interleavings(fused, max_steps=2):
+        assert got[1] == (), how
+        assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
+
+
+def _oracle_dead(schedule: Schedule, user: set[str]) -> set[int]:
+    """The fills the rule drops, recomputed on byte intervals: walk on from each fill; a read of
+    a byte still unwritten keeps it, a device task of a stdlib kernel covers the bytes it writes;
+    all the fills of one key or none; a fill named in an `after` stays; not under chain /
+    explicit."""
+    if schedule.policy != "auto":
+        return set()
+    bufs = schedule.buffer_map()
+
+    def rng(n):  # (space, lo, hi); a buffer without bytes is its own space
+        b = bufs.get(n)
+        if b is None or b.nbytes == 0 or b.offset < 0:
+            return (("name", n), 0, 1)
+        return (b.space, b.offset, b.offset + b.nbytes)
+
+    def hit(iv, open_):
+        return any(sp == iv[0] and lo < iv[2] and iv[1] < hi for sp, lo, hi in open_)
+
+    def cut(open_, iv):
+        out = []
+        for sp, lo, hi in open_:
+            if sp != iv[0] or hi <= iv[1] or iv[2] <= lo:
+                out.append((sp, lo, hi))
+                continue
+            if lo < iv[1]:
+                out.append((sp, lo, iv[1]))
+            if iv[2] < hi:
+                out.append((sp, iv[2], hi))
+        return out
+
+    named = {a for t in schedule.tasks for a in t.after}
+    verdict: dict[str, bool] = {}
+    for i, f in enumerate(schedule.tasks):
+        if f.kernel != "fill":
+            continue
+        if f.stream == HOST or f.id in named or f.args:
+            verdict[f.key] = False
+            continue
+        open_ = [rng(o) for o in f.outs]
+        dead = False
+        for t in schedule.tasks[i + 1:]:
+            if any(hit(rng(a), open_) for a in t.args):
+                break
+            if t.stream != HOST and t.kernel not in user:
+                for o in t.outs:
+                    open_ = cut(open_, rng(o))
+            if not open_:
+                dead = True
+                break
+        verdict[f.key] = verdict.get(f.key, True) and dead
+    return {t.id for t in schedule.tasks if t.kernel == "fill" and verdict.get(t.key, False)}
+
+
+_BUFS = (Buffer("g", (8,), "f32", offset=0, nbytes=32), Buffer("g_lo", (4,), "f32", offset=0, nbytes=16, alias_of="g"),
+         Buffer("g_hi", (4,), "f32", offset=16, nbytes=16, alias_of="g"),
+         Buffer("h", (8,), "f32", offset=32, nbytes=32), Buffer("x", (8,), "f32", offset=64, nbytes=32),
+         Buffer("y", (4,), "f32", offset=96, nbytes=16))
+
+
+@st.composite
+def _schedules(draw):
+    names = [b.name for b in _BUFS]
+    n = draw(st.integers(2, 9))
+    tasks = []
+    for i in range(n):
+        kind = draw(st.sampled_from(["fill", "fill", "copy", "add", "mine"]))
+        stream = draw(st.sampled_from(["s1", "s1", "s2", HOST]))
+        out = draw(st.sampled_from(names))
+        args = () if kind == "fill" else tuple(draw(st.lists(st.sampled_from(names), min_size=1, max_size=2)))
+        after = tuple(draw(st.lists(st.integers(0, i - 1), max_size=1))) if i and draw(st.booleans()) else ()
+        key = draw(st.sampled_from(["k0", "k1", f"u{i}"]))
+        tasks.append(Task(i, kind if kind != "add" or len(args) == 2 else "copy", stream, args[:2], (out,),
+                          after=after, key=key))
+    policy = draw(st.sampled_from(["auto", "auto", "auto", "explicit"]))
+    return Schedule(("s1", "s2", HOST), _BUFS, tuple(tasks), policy=policy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_schedules(), st.booleans())
+def test_dead_fills_are_those_the_byte_recount_finds(s, user_copy):
+    """Against the oracle above, on random task lists over aliased buffers (halves of g), host
+    tasks, `after`s, shared keys and a user kernel ("mine", and "copy" when it is the user's)."""
+    kernels = dict(KERNELS)
+    kernels["mine"] = object()
+    user = {"mine"}
+    if user_copy:
+        kernels["copy"] = object()
+        user.add("copy")
+    kept = _dead_fills(s, kernels, KERNELS)
+    gone = {t.id for t in s.tasks} - {t.id for t in kept}
+    assert gone == _oracle_dead(s, user)
+
+
+def test_a_partial_overwrite_keeps_the_clear_and_two_halves_drop_it():
+    t = [Task(0, "fill", "s1", (), ("g",), key="a"), Task(1, "copy", "s1", ("x",), ("g_lo",), key="b"),
+         Task(2, "copy", "s2", ("g",), ("y",), key="c")]
+    s = Schedule(("s1", "s2", HOST), _BUFS, tuple(t))
+    assert [x.id for x in _dead_fills(s, None, KERNELS)] == [0, 1, 2]
+    t2 = t[:2] + [Task(2, "copy", "s2", ("x",), ("g_hi",), key="c"), Task(3, "copy", "s2", ("g",), ("y",), key="d")]
+    s2 = Schedule(("s1", "s2", HOST), _BUFS, tuple(t2))
+    assert [x.id for x in _dead_fills(s2, None, KERNELS)] == [1, 2, 3]
+
+
+# -- updates in two launches ------------------------------------------------------------------
+
+
+def test_a_wide_mlps_update_is_two_launches_the_first_layers_last(tmp_path, monkeypatch):
+    path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    c = compile_file(path)
+    assert c.ok
+    ups = [t for t in _per_step(c) if t.attr("base") == "sgd_step"]
+    assert len(ups) == 2
+    first, last = (sorted(p for p in t.args if p.startswith("grad.")) for t in ups)
+    assert last == ["grad.h1.b", "grad.h1.w"]
+    assert first == ["grad.h2.b", "grad.h2.w", "grad.logits.b", "grad.logits.w"]
+    # the second launch waits for the first layer's gradients; the first does not
+    dw1 = next(t.id for t in c.schedule.tasks if t.step == 1 and t.outs == ("grad.h1.w",))
+    edges = {(e.u, e.v) for e in c.edges}
+    assert (dw1, ups[1].id) in edges and (dw1, ups[0].id) not in edges
+    monkeypatch.setenv("STREAMSCHED_SPLIT_UPDATES", "0")
+    one = compile_file(path)
+    assert [len(t.attr("parts")) for t in _per_step(one) if t.attr("base") == "sgd_step"] == [6]
+
+
+def test_a_small_mlps_update_stays_one_launch(tmp_path):
+    """Where the estimate gains less than a launch (the digits MLP), one launch."""
+    c = compile_file(_mlp(tmp_path))
+    assert [len(t.attr("parts")) for t in _per_step(c) if t.attr("base") == "sgd_step"] == [6]
+
+
+# -- heavy products in turn -------------------------------------------------------------------
+
+
+def _heavy(c):
+    shapes = {b.name: tuple(b.shape) for b in c.schedule.buffers}
+    return [t for t in c.schedule.tasks if t.stream != HOST and task_flops(t, shapes) >= HEAVY_FLOPS]
+
+
+def test_heavy_products_run_one_at_a_time_in_issue_order(tmp_path, monkeypatch):
+    path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    c = compile_file(path)
+    heavy = _heavy(c)
+    assert len(heavy) == 5 * c.schedule.steps  # two forward, dW2, dX2, dW1 a step
+    edges = {(e.u, e.v) for e in c.edges}
+    for step in range(c.schedule.steps):
+        hs = [t for t in heavy if t.step == step]
+        for p, t in zip(hs, hs[1:]):  # every heavy product after the one before it
+            assert (p.id, t.id) in edges or p.stream == t.stream, (p.label, t.label)
+    monkeypatch.setenv("STREAMSCHED_HEAVY_IN_TURN", "0")
+    free = compile_file(path)
+    dx2 = next(t for t in _per_step(free) if "h2.dx" in t.label)
+    dw2 = next(t for t in _per_step(free) if "h2.dw" in t.label)
+    assert (dw2.id, dx2.id) not in {(e.u, e.v) for e in free.edges}
+
+
+def test_small_products_keep_their_overlap(tmp_path, monkeypatch):
+    """The digits MLP's products are far below HEAVY_FLOPS: the rule adds no order."""
+    c = compile_file(_mlp(tmp_path), fuse=False)
+    assert not _heavy(c)
+    on = fuse_tasks(c.schedule, c.program.kernels)
+    monkeypatch.setenv("STREAMSCHED_HEAVY_IN_TURN", "0")
+    off = fuse_tasks(c.schedule, c.program.kernels)
+    assert [t.after for t in on.tasks] == [t.after for t in off.tasks]
