@@ -126,9 +126,93 @@ def test_a_wide_mlp_without_its_clear_and_with_two_updates_trains_bitwise_the_un
         assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
 
 
+CLIP_RESET = """streams {
+    trans  : copy
+    comp1  : compute
+    comp2  : compute
+    comp3  : compute
+    update : update
+}
+state { gnorm : f32[]; clip : f32[] }
+model mlp(batch = 8, hidden = 16) {
+    input x : f32[batch, 64]
+    input y : i32[batch]
+    h1     = linear(x, hidden)
+    a1     = relu(h1)
+    logits = linear(a1, 10)
+    loss   = softmax_cross_entropy(logits, y)
+}
+graph load[a, b] on trans  { copy batch -> x, y }
+graph zero_grad  on update { clear grad(mlp); clear gnorm }
+graph pass       on comp1  { forward mlp; backward mlp }
+graph optimize   on update {
+    grad_sumsq(mlp, gnorm)
+    clip_scale(gnorm, clip, max_norm = 1.0)
+    clip_grad_norm(mlp, clip)
+    sgd(mlp, lr, momentum = 0.9)
+    clear clip
+}
+step train(slot) {
+    upload lr on trans
+    zero_grad
+    pass(load[slot])
+    load[next]
+    optimize
+}
+train {
+    model    = mlp
+    data     = digits(test = 0.2, seed = 0)
+    epochs   = 1
+    lr       = 0.05
+    capture  = step
+}
+"""
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_a_clear_at_the_end_of_a_step_stays_whatever_step_the_run_ends_on(tmp_path, steps):
+    """`clear clip` ends each step; the next step's clip_scale overwrites it unread, but a run that
+    stops after this step returns (saves, checkpoints) the cleared value: the clear stays, in
+    both slots, and the state after any number of steps is the unfused plan's (a run of an odd
+    number of steps returned clip = 0.54 instead of 0 when the rule looked past the step)."""
+    p = tmp_path / "clip.sched"
+    p.write_text(CLIP_RESET)
+    fused, plain = compile_file(str(p)), compile_file(str(p), fuse=False)
+    clears = [t for t in fused.schedule.tasks if t.kernel == "fill" and t.outs == ("clip",)]
+    assert len(clears) == fused.schedule.steps
+    assert outcome(fused, max_steps=steps) == outcome(plain, max_steps=steps)
+
+
+def _wide_explicit(tmp_path) -> str:
+    text = open(os.path.join(ROOT, "examples", "explicit_mlp.sched")).read()
+    start, end = text.index("model mlp"), text.index("}", text.index("model mlp")) + 1
+    model = """model mlp(batch = 1024, hidden = 8192) {
+    input x : f32[batch, 64]
+    input y : i32[batch]
+    h1     = linear(x, hidden)
+    h2     = linear(h1, 64) on comp2
+    a2     = relu(h2) after h2
+    logits = linear(a2, 10) after a2
+    loss   = softmax_cross_entropy(logits, y)
+}"""
+    p = tmp_path / "wide_explicit.sched"
+    p.write_text(text[:start] + model + text[end:])
+    return str(p)
+
+
+def test_an_order_the_file_leaves_out_is_reported_with_heavy_products_too(tmp_path):
+    """Under `barriers = explicit` a heavy consumer on another stream without its `after` is a
+    race (R001) with and without fusion: the heavy-products rule adds no order there."""
+    path = _wide_explicit(tmp_path)
+    fused, plain = compile_file(path), compile_file(path, fuse=False)
+    assert "R001" in {d.code for d in plain.diagnostics}
+    assert sorted(d.code for d in fused.diagnostics) == sorted(d.code for d in plain.diagnostics)
+
+
 def _oracle_dead(schedule: Schedule, user: set[str]) -> set[int]:
-    """The fills the rule drops, recomputed on byte intervals: walk on from each fill; a read of
-    a byte still unwritten keeps it, a device task of a stdlib kernel covers the bytes it writes;
+    """The fills the rule drops, recomputed on byte intervals: walk on from each fill through its
+    step; a read of a byte still unwritten keeps it, a device task of a stdlib kernel covers the
+    bytes it writes, the step's end before every byte is covered keeps it;
     all the fills of one key or none; a fill named in an `after` stays; not under chain /
     explicit."""
     if schedule.policy != "auto":
@@ -167,6 +251,8 @@ def _oracle_dead(schedule: Schedule, user: set[str]) -> set[int]:
         open_ = [rng(o) for o in f.outs]
         dead = False
         for t in schedule.tasks[i + 1:]:
+            if t.step != f.step:  # what a step leaves is observable: the overwrite is in the step
+                break
             if any(hit(rng(a), open_) for a in t.args):
                 break
             if t.stream != HOST and t.kernel not in user:
@@ -197,10 +283,11 @@ def _schedules(draw):
         args = () if kind == "fill" else tuple(draw(st.lists(st.sampled_from(names), min_size=1, max_size=2)))
         after = tuple(draw(st.lists(st.integers(0, i - 1), max_size=1))) if i and draw(st.booleans()) else ()
         key = draw(st.sampled_from(["k0", "k1", f"u{i}"]))
+        step = draw(st.sampled_from([0, 0, 1])) if not tasks else max(tasks[-1].step, draw(st.sampled_from([0, 0, 1])))
         tasks.append(Task(i, kind if kind != "add" or len(args) == 2 else "copy", stream, args[:2], (out,),
-                          after=after, key=key))
+                          after=after, key=key, step=step))
     policy = draw(st.sampled_from(["auto", "auto", "auto", "explicit"]))
-    return Schedule(("s1", "s2", HOST), _BUFS, tuple(tasks), policy=policy)
+    return Schedule(("s1", "s2", HOST), _BUFS, tuple(tasks), policy=policy, steps=2)
 
 
 @settings(max_examples=300, deadline=None)

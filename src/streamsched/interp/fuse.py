@@ -77,7 +77,8 @@ other layers' updates can run beside its GEMM instead of after it.  The parts of
 adjacent in issue order and share no byte, so any order of them is the same program; a run whose
 parts name each other in `after` stays one launch, and the same work in every unrolled step
 (equal `key`s) is split alike.  Where every update waits for one shared input (AMP's found_inf,
-a clipping scale) nothing is gained and the run stays one launch.
+a clipping scale) nothing is gained and the run stays one launch.  Only under `barriers = auto`
+(under `chain` and `explicit` the plan is the file's, orders and all).
 `STREAMSCHED_SPLIT_UPDATES=0` turns this off.
 
 Heavy products in turn: a product of at least HEAVY_FLOPS (a GEMM, a convolution's, attention's)
@@ -87,12 +88,16 @@ a single-wave GEMM whose blocks start while another one holds the SMs shares hal
 end (the same dX2 took 221-266 us when dW2's blocks started first).  Each heavy product is
 therefore ordered after the heavy product issued before it in the same unit, step and launch
 (an `after` added to it when they are on two streams), so they run one at a time in issue order.
-This adds orders only: the program's values are unchanged, and nothing else waits.
+This adds orders only: the program's values are unchanged, and nothing else waits.  Only under
+`barriers = auto` and without collectives: an added order could otherwise hide a race the file
+leaves (R001 under `chain` and `explicit`) or order two all-reduces the file leaves unordered
+(R008), and fusion must not change a diagnostic.
 `STREAMSCHED_HEAVY_IN_TURN=0` turns it off.
 
 Dead clears: a `fill` task (the stdlib's own; `clear grad(m)` makes one per gradient) is dropped
 when nothing can observe what it writes: for every storage segment it covers, the next task in
-issue order that reads the segment or overwrites it is an overwrite: a device task of a stdlib
+issue order that reads the segment or overwrites it is an overwrite in the fill's own step (a
+run may end after any step, and what a step leaves is returned, saved and checkpointed): a device task of a stdlib
 kernel (the stdlib writes every element of each output; a user kernel might not) that writes the
 segment without reading it.  Writes by host tasks and user kernels neither read nor cover.
 The rule is decided on storage segments, so `into` aliases and planned storage reuse count as
@@ -207,6 +212,9 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     return replace(schedule, tasks=tuple(fixed), buffers=schedule.buffers + masks)
 
 
+_PRODUCTS = ("matmul", "gemm", "conv2d", "attn_")
+"""The kernels priority.task_flops counts flops of (every other kernel: 0)."""
+
 HEAVY_FLOPS = 1e9
 """A product of at least this many flops fills the device on its own (module docstring, "Heavy
 products in turn"): cuBLAS tiles a GEMM of 1 GFLOP into at least a wave of blocks."""
@@ -216,15 +224,19 @@ def _heavy_in_turn(tasks, schedule: Schedule):
     """`tasks` with each heavy product (priority.task_flops >= HEAVY_FLOPS) ordered after the heavy
     product issued before it in its unit, step and launch, when that one is on another stream
     (an `after` on it; the same stream already orders them); `tasks` itself when none is."""
-    if os.environ.get("STREAMSCHED_HEAVY_IN_TURN", "1") == "0":
+    if os.environ.get("STREAMSCHED_HEAVY_IN_TURN", "1") == "0" or schedule.policy != "auto":
         return tasks
     from streamsched.interp.priority import task_flops
+    from streamsched.stdlib.kernels.collectives import is_collective
+
+    if any(is_collective(t.kernel, t.attrs) for t in tasks):
+        return tasks  # (an order between two products may order two collectives: R008 is checked on it)
 
     shapes = {b.name: tuple(b.shape) for b in schedule.buffers}
     last: dict[tuple, Task] = {}
     out, changed = list(tasks), False
     for i, t in enumerate(tasks):
-        if t.stream == HOST or task_flops(t, shapes) < HEAVY_FLOPS:
+        if t.stream == HOST or not t.kernel.startswith(_PRODUCTS) or task_flops(t, shapes) < HEAVY_FLOPS:
             continue
         where = (t.unit, t.step, t.launch)
         p = last.get(where)
@@ -238,7 +250,8 @@ def _heavy_in_turn(tasks, schedule: Schedule):
 def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) -> list[list[Task]]:
     """`groups` with each run of optimizer updates (a FUSIBLE `*_step` kernel) that gains from it
     split in two (module docstring, "Updates in two launches"); the list itself when none does."""
-    if not any(len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE for g in groups):
+    if schedule.policy != "auto" or \
+            not any(len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE for g in groups):
         return groups
     from streamsched.interp.priority import BYTE_RATE, LAUNCH_US, task_cost_us
 
@@ -256,10 +269,27 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
     free: dict[str, float] = {}  # stream -> estimated finish of its last task
     ready: dict[int, float] = {}  # task id -> when its inputs are estimated ready
     start_of: dict[int, float] = {}  # task id -> when its stream is estimated free
+    def candidate(g) -> bool:
+        ids = {t.id for t in g}
+        return len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE \
+            and not any(a in ids for t in g for a in t.after)
+
+    # The estimate runs up to the last part of the first run of each kind (its parts' keys): the
+    # same work in a later step is split alike, so the rest of the schedule is not needed.
+    last_needed = max(g[-1].id for g in {tuple(t.key for t in g): g for g in reversed(groups)
+                                          if candidate(g)}.values()) if any(candidate(g) for g in groups) else -1
+    cost_of: dict[str, float] = {}  # key -> estimated us (the same work in every step)
     for t in tasks:
+        if t.id > last_needed:
+            break
         r = max((done.get(x, 0.0) for a in t.args for x in seg_of(a)), default=0.0)
         ready[t.id], start_of[t.id] = r, free.get(t.stream, 0.0)
-        f = max(r, start_of[t.id]) + (0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes))
+        c = cost_of.get(t.key) if t.key else None
+        if c is None:
+            c = 0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes)
+            if t.key:
+                cost_of[t.key] = c
+        f = max(r, start_of[t.id]) + c
         for o in t.outs:
             for x in seg_of(o):
                 done[x] = f
@@ -268,9 +298,7 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
     chosen: dict[tuple, frozenset] = {}  # the parts' keys -> the keys of the first launch
     out: list[list[Task]] = []
     for g in groups:
-        ids = {t.id for t in g}
-        if len(g) < 3 or not g[0].kernel.endswith("_step") or g[0].kernel not in FUSIBLE \
-                or any(a in ids for t in g for a in t.after):
+        if not candidate(g):
             out.append(g)
             continue
         keys = tuple(t.key for t in g)
@@ -355,7 +383,9 @@ def _dead_fills(schedule: Schedule, kernels, stdlib) -> tuple[Task, ...]:
         for s in {s for o in t.outs for s in seg_of(o)}:
             ps = pos.get(s, ())
             j = bisect.bisect_right(ps, i)
-            if j == len(ps) or not blind[s][j]:
+            # a run may end after any step, and what a step leaves is observable (the state a
+            # run returns, saves and checkpoints): the overwrite must come in the fill's step
+            if j == len(ps) or not blind[s][j] or tasks[ps[j]].step != t.step:
                 dead = False
                 break
         dead_at[t.key] = dead_at.get(t.key, True) and dead
