@@ -76,7 +76,7 @@ This is the backward of a layer stack: the first layer's weight gradient comes l
 other layers' updates can run beside its GEMM instead of after it.  The parts of a run are
 adjacent in issue order and share no byte, so any order of them is the same program; a run whose
 parts name each other in `after` stays one launch, and the same work in every unrolled step
-(equal `key`s) is split alike.  Where every update waits for one shared input (AMP's found_inf,
+(equal keys, but for the slot) is split alike.  Where every update waits for one shared input (AMP's found_inf,
 a clipping scale) nothing is gained and the run stays one launch.  Only under `barriers = auto`
 (under `chain` and `explicit` the plan is the file's, orders and all).
 `STREAMSCHED_SPLIT_UPDATES=0` turns this off.
@@ -247,6 +247,11 @@ def _heavy_in_turn(tasks, schedule: Schedule):
     return tuple(out) if changed else tasks
 
 
+def _work(key: str) -> str:
+    """A task key without its slot ("a|3|7" -> "3|7"): the same work in every step."""
+    return key.split("|", 1)[-1]
+
+
 def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) -> list[list[Task]]:
     """`groups` with each run of optimizer updates (a FUSIBLE `*_step` kernel) that gains from it
     split in two (module docstring, "Updates in two launches"); the list itself when none does."""
@@ -274,9 +279,10 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
         return len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE \
             and not any(a in ids for t in g for a in t.after)
 
-    # The estimate runs up to the last part of the first run of each kind (its parts' keys): the
-    # same work in a later step is split alike, so the rest of the schedule is not needed.
-    last_needed = max(g[-1].id for g in {tuple(t.key for t in g): g for g in reversed(groups)
+    # The estimate runs up to the last part of the first run of each kind: the same work in a
+    # later step, of either slot (a key is "slot|statement|template": _work drops the slot), is
+    # split alike, so the rest of the schedule is not needed.
+    last_needed = max(g[-1].id for g in {tuple(_work(t.key) for t in g): g for g in reversed(groups)
                                           if candidate(g)}.values()) if any(candidate(g) for g in groups) else -1
     cost_of: dict[str, float] = {}  # key -> estimated us (the same work in every step)
     for t in tasks:
@@ -301,7 +307,7 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
         if not candidate(g):
             out.append(g)
             continue
-        keys = tuple(t.key for t in g)
+        keys = tuple(_work(t.key) for t in g)
         first = chosen.get(keys)
         if first is None:
             order = sorted(g, key=lambda t: ready[t.id])  # (stable: issue order among equals)
@@ -321,12 +327,12 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
                 f = max(f1, rn) + LAUNCH_US + (shared + total - head) / BYTE_RATE
                 if f < best - LAUNCH_US:
                     best, best_k = f, k
-            first = chosen[keys] = frozenset(t.key for t in order[:best_k]) if best_k < len(order) else frozenset()
+            first = chosen[keys] = frozenset(_work(t.key) for t in order[:best_k]) if best_k < len(order) else frozenset()
         if not first or len(first) == len(g):
             out.append(g)
             continue
-        out.append([t for t in g if t.key in first])
-        out.append([t for t in g if t.key not in first])
+        out.append([t for t in g if _work(t.key) in first])
+        out.append([t for t in g if _work(t.key) not in first])
     return out
 
 
