@@ -369,7 +369,10 @@ def _dead_fills(schedule: Schedule, kernels, stdlib) -> tuple[Task, ...]:
     # (a write by a host task or a user kernel that reads nothing of it observes nothing: skipped)
     pos: dict[int, list[int]] = {}
     blind: dict[int, list[bool]] = {}  # segment -> per position: overwritten (not read)
+    touching = {n for n, ss in segs.items() if not cleared.isdisjoint(ss)} | set(own)  # names on them
     for i, t in enumerate(tasks):
+        if touching.isdisjoint(t.args) and touching.isdisjoint(t.outs):
+            continue
         r = {s for a in t.args for s in rel_of(a)}
         over = t.stream != HOST and t.kernel in trusted and t.kernel in stdlib
         w = {s for o in t.outs for s in rel_of(o)} if over else ()
