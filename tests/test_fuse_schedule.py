@@ -301,7 +301,7 @@ def test_dead_fills_are_those_the_byte_recount_finds(s, user_copy):
     if user_copy:
         kernels["copy"] = object()
         user.add("copy")
-    kept = _dead_fills(s, kernels, KERNELS)
+    kept = _dead_fills(s, kernels=kernels, stdlib=KERNELS)
     gone = {t.id for t in s.tasks} - {t.id for t in kept}
     assert gone == _oracle_dead(s, user)
 
@@ -310,10 +310,10 @@ def test_a_partial_overwrite_keeps_the_clear_and_two_halves_drop_it():
     t = [Task(0, "fill", "s1", (), ("g",), key="a"), Task(1, "copy", "s1", ("x",), ("g_lo",), key="b"),
          Task(2, "copy", "s2", ("g",), ("y",), key="c")]
     s = Schedule(("s1", "s2", HOST), _BUFS, tuple(t))
-    assert [x.id for x in _dead_fills(s, None, KERNELS)] == [0, 1, 2]
+    assert [x.id for x in _dead_fills(s, stdlib=KERNELS)] == [0, 1, 2]
     t2 = t[:2] + [Task(2, "copy", "s2", ("x",), ("g_hi",), key="c"), Task(3, "copy", "s2", ("g",), ("y",), key="d")]
     s2 = Schedule(("s1", "s2", HOST), _BUFS, tuple(t2))
-    assert [x.id for x in _dead_fills(s2, None, KERNELS)] == [1, 2, 3]
+    assert [x.id for x in _dead_fills(s2, stdlib=KERNELS)] == [1, 2, 3]
 
 
 # -- updates in two launches ------------------------------------------------------------------
@@ -376,3 +376,100 @@ def test_small_products_keep_their_overlap(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMSCHED_HEAVY_IN_TURN", "0")
     off = fuse_tasks(c.schedule, c.program.kernels)
     assert [t.after for t in on.tasks] == [t.after for t in off.tasks]
+
+
+# -- epilogues and state: a value the run returns ----------------------------------------------
+
+EPILOGUE_STATE = """streams {
+    trans  : copy
+    comp1  : compute
+    comp2  : compute
+    comp3  : compute
+    update : update
+}
+state { a : f32[16, 16] = ones
+        w : f32[16, 10] = ones
+        bb : f32[10] = ones
+        t : f32[16, 10]
+        h : f32[16, 10]
+        r : f32[16, 10] }
+op probe(a : f32[16, 16], w : f32[16, 10], bb : f32[10], t : f32[16, 10], h : f32[16, 10], r : f32[16, 10]) -> (t, h, r) on comp2 {
+    t = matmul(a, w)
+    h = t + bb
+    r = relu(h)
+}
+model mlp(batch = 8, hidden = 16) {
+    input x : f32[batch, 64]
+    input y : i32[batch]
+    h1     = linear(x, hidden)
+    a1     = relu(h1)
+    logits = linear(a1, 10)
+    loss   = softmax_cross_entropy(logits, y)
+}
+graph load[a, b] on trans  { copy batch -> x, y }
+graph zero_grad  on update { clear grad(mlp) }
+graph pass       on comp1  { forward mlp; backward mlp }
+graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
+graph look       on comp2  { probe(a, w, bb, t, h, r) }
+step train(slot) { upload lr on trans; zero_grad; look; pass(load[slot]); load[next]; optimize }
+train {
+    model    = mlp
+    data     = digits(test = 0.2, seed = 0)
+    epochs   = 1
+    lr       = 0.05
+    capture  = graphs
+}
+"""
+
+GATED_STATE = """streams {
+    trans  : copy
+    comp1  : compute
+    comp2  : compute
+    comp3  : compute
+    update : update
+}
+state { a : f32[16, 16] = ones
+        w : f32[16, 10] = ones
+        yv : f32[16, 10] = ones
+        t : f32[16, 10]
+        r : f32[16, 10] }
+op probe(a : f32[16, 16], w : f32[16, 10], yv : f32[16, 10], t : f32[16, 10], r : f32[16, 10]) -> (t, r) on comp2 {
+    t = matmul(a, w)
+    r = relu_grad(t, yv)
+}
+model mlp(batch = 8, hidden = 16) {
+    input x : f32[batch, 64]
+    input y : i32[batch]
+    h1     = linear(x, hidden)
+    a1     = relu(h1)
+    logits = linear(a1, 10)
+    loss   = softmax_cross_entropy(logits, y)
+}
+graph load[a, b] on trans  { copy batch -> x, y }
+graph zero_grad  on update { clear grad(mlp); clear t }
+graph pass       on comp1  { forward mlp; backward mlp }
+graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
+graph look       on comp2  { probe(a, w, yv, t, r) }
+step train(slot) { upload lr on trans; zero_grad; look; pass(load[slot]); load[next]; optimize }
+train {
+    model    = mlp
+    data     = digits(test = 0.2, seed = 0)
+    epochs   = 1
+    lr       = 0.05
+    capture  = graphs
+}
+"""
+
+
+@pytest.mark.parametrize("text", [EPILOGUE_STATE, GATED_STATE], ids=["epilogue", "gated"])
+def test_an_epilogue_never_folds_away_a_state_the_run_returns(tmp_path, text):
+    """A user op whose matmul (and bias add) write state buffers: the epilogue and the gated
+    product would not write them, so they stay unfused, and a clear of such a state is decided on
+    the writes that remain (a breaker's case: t and h came back 0 fused, 16 and 17 unfused)."""
+    p = tmp_path / "s.sched"
+    p.write_text(text)
+    fused, plain = compile_file(str(p)), compile_file(str(p), fuse=False)
+    assert fused.ok and plain.ok
+    assert any(t.kernel == "matmul" and t.outs == ("t",) for t in fused.schedule.tasks)
+    for steps in (1, 2):
+        assert outcome(fused, max_steps=steps) == outcome(plain, max_steps=steps)

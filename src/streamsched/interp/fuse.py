@@ -25,7 +25,8 @@ one `gemm_bias_relu(x, w, b) -> y` / `gemm_bias_gelu(x, w, b) -> (h, y)` task on
 BIAS epilogue, the transformer's projections),
 when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
 backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
-their bytes; under `barriers = explicit` only when all three are on one stream (the user orders
+their bytes, and neither is a value a run returns and saves (a buffer of a kind other than act
+and temp, or sharing a byte with one: `_Kept`; the backward epilogues and gated products alike); under `barriers = explicit` only when all three are on one stream (the user orders
 the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
 same with its region-level batched updates on the update stream.
 
@@ -152,8 +153,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
 
     bufs = schedule.buffer_map()
     explicit = schedule.policy == "explicit"
-    tasks = _dead_fills(schedule, kernels, KERNELS)
-    tasks = _epilogues(_pairs(tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
+    tasks = _epilogues(_pairs(schedule.tasks, bufs, kernels, KERNELS), schedule.buffers, kernels, KERNELS,
                        one_stream=explicit)
     if backward_epilogues():
         tasks, masks = _bwd_epilogues(tasks, schedule.buffers, kernels, KERNELS, one_stream=explicit)
@@ -161,6 +161,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         masks = ()
     tasks, more = _gated_products(tasks, schedule.buffers + masks, kernels, KERNELS, one_stream=explicit)
     masks += more
+    # (after the epilogues: a clear is dead on the writes that remain, not on those they fold)
+    tasks = _dead_fills(schedule, tasks, kernels, KERNELS)
     tasks = _heavy_in_turn(tasks, schedule)
     # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
     segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
@@ -336,11 +338,15 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
     return out
 
 
-def _dead_fills(schedule: Schedule, kernels, stdlib) -> tuple[Task, ...]:
-    """schedule.tasks without its dead clears (module docstring, "Dead clears"); the tuple itself
-    when there is none.  One pass over the tasks builds each storage segment's accesses in issue
-    order; a fill is then decided by one bisection per segment it covers."""
-    tasks = schedule.tasks
+def _dead_fills(schedule: Schedule, tasks=None, kernels=None, stdlib=None) -> tuple[Task, ...]:
+    """`tasks` (schedule.tasks when None, or the epilogue passes' rewrite of them) without their
+    dead clears (module docstring, "Dead clears"); the tuple itself when there is none.  One pass
+    over the tasks builds each storage segment's accesses in issue order; a fill is then decided
+    by one bisection per segment it covers."""
+    if tasks is None:
+        tasks = schedule.tasks
+    if stdlib is None:
+        from streamsched.stdlib.kernels import KERNELS as stdlib
     fill = stdlib.get("fill")
     if os.environ.get("STREAMSCHED_DEAD_FILLS", "1") == "0" or schedule.policy != "auto" or fill is None or (kernels is not None and kernels.get("fill") is not fill):
         return tasks
@@ -453,6 +459,7 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _EPI_KERNELS):
         return tasks
     bufs = {b.name: b for b in buffers}
+    kept = _Kept(buffers)
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3 or None)
     for i, t1 in enumerate(tasks):
         if t1.kernel != "matmul" or i + 1 >= len(tasks):
@@ -476,6 +483,8 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         bm, bb = bufs.get(m), bufs.get(bias)
         if bm is None or bb is None or len(bm.shape) != 2 or bb.shape != bm.shape[1:]:
             continue
+        if kept(m) or (t3 is not None and t3.kernel == "relu" and kept(t2.outs[0])):
+            continue  # a value the run returns or saves: the epilogue would not write it
         if not all(_apart(bufs, o, a) for o in (t3.outs if t3 else ()) + t2.outs for a in t1.args + (bias,)):
             continue
         cand[i] = (t1, t2, t3)
@@ -599,6 +608,7 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         return any(not _apart(bufs, o, r) for o in u.outs for r in reads + writes) \
             or any(not _apart(bufs, a, w) for a in u.args for w in writes)
 
+    kept = _Kept(buffers)
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3, index of t3)
     reach = -1  # the last candidate's t3: spans never interleave, so each move is its own
     for i in range(len(tasks) - 2):
@@ -633,6 +643,8 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
             continue  # the user put it on its stream: fusing would move it to the GEMM's
         if not all(_apart(bufs, o, a) for o in (dpre, db) for a in t1.args + (aux,)) or not _apart(bufs, dpre, db):
             continue
+        if kept(t1.outs[0]):
+            continue  # a value the run returns or saves: the epilogue would not write it
         skipped = tasks[i + 2:j]
         if any(u.id in t3.after for u in skipped) or any(conflicts(u, (dpre,), (db,)) for u in skipped):
             continue
@@ -709,6 +721,7 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _GATED):
         return tasks, ()
     bufs = {b.name: b for b in buffers}
+    kept = _Kept(buffers)
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2)
     for i in range(len(tasks) - 1):
         t1, t2 = tasks[i], tasks[i + 1]
@@ -722,6 +735,8 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
             continue  # the user put it on its stream: fusing would move it to the GEMM's
         if not all(_apart(bufs, dpre, a) for a in t1.args + (y, dy)) or not _apart(bufs, y, dy):
             continue
+        if kept(dy):
+            continue  # a value the run returns or saves: the fused task would not write it
         cand[i] = (t1, t2)
     if not cand:
         return tasks, ()
@@ -822,6 +837,58 @@ def _product_then(t1: Task, t2: Task, bufs) -> tuple[str, str, str] | None:
     if any(b is None for b in bs) or len(bs[0].shape) != 2 or len({(tuple(b.shape), b.dtype) for b in bs}) != 1:
         return None
     return names
+
+
+_PASSING = ("act", "temp")
+"""Buffer kinds a run neither returns nor saves: a step's intermediate values."""
+
+
+class _Kept:
+    """Whether a buffer's bytes are observable after a step (a run returns, saves and
+    checkpoints parameters, gradients, state, inputs: every kind but act and temp), so an
+    epilogue must not drop its write: `kept(name)`.  By storage: a buffer of a passing kind that
+    shares a byte with a kept one is kept (an `into` alias of a state)."""
+
+    def __init__(self, buffers):
+        self.bufs = {b.name: b for b in buffers}
+        spans: dict[str, list[tuple[int, int]]] = {}
+        self.roots: set[str] = set()
+        for b in buffers:
+            if b.kind in _PASSING:
+                continue
+            if b.offset >= 0 and b.nbytes > 0:
+                spans.setdefault(b.space, []).append((b.offset, b.offset + b.nbytes))
+            self.roots.add(self._root(b.name))
+        self.spans = {sp: sorted(v) for sp, v in spans.items()}
+        self.ends = {sp: _running_max(v) for sp, v in self.spans.items()}
+
+    def _root(self, name: str) -> str:
+        seen = set()
+        while name in self.bufs and self.bufs[name].alias_of and name not in seen:
+            seen.add(name)
+            name = self.bufs[name].alias_of
+        return name
+
+    def __call__(self, name: str) -> bool:
+        b = self.bufs.get(name)
+        if b is None:
+            return False
+        if b.kind not in _PASSING or self._root(name) in self.roots:
+            return True
+        if b.offset < 0 or b.nbytes == 0:
+            return False
+        lo, hi = b.offset, b.offset + b.nbytes
+        spans, ends = self.spans.get(b.space, ()), self.ends.get(b.space, ())
+        j = bisect.bisect_left(spans, (hi,))  # spans starting before hi
+        return j > 0 and ends[j - 1] > lo
+
+
+def _running_max(spans):
+    out, m = [], -1
+    for _, e in spans:
+        m = max(m, e)
+        out.append(m)
+    return out
 
 
 def _apart(bufs, a: str, b: str) -> bool:
