@@ -23,14 +23,16 @@ from test_soundness_properties import differ, interleavings, outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MLP = """streams {
+STREAMS = """streams {
     trans  : copy
     comp1  : compute
     comp2  : compute
     comp3  : compute
     update : update
 }
-model mlp(batch = BATCH) {
+"""
+
+MLP = STREAMS + """model mlp(batch = BATCH) {
     input x : f32[batch, IN]
     input y : i32[batch]
     h1     = linear(x, HID)
@@ -59,6 +61,17 @@ train {
     capture = step
 }
 """
+
+SMALL = """model mlp(batch = 8, hidden = 16) {
+    input x : f32[batch, 64]
+    input y : i32[batch]
+    h1     = linear(x, hidden)
+    a1     = relu(h1)
+    logits = linear(a1, 10)
+    loss   = softmax_cross_entropy(logits, y)
+}
+"""
+"""The two-layer model of the clip and state cases below."""
 
 
 def _mlp(tmp_path, batch=128, inp=64, hid=256, passes=1, name="m.sched") -> str:
@@ -126,23 +139,8 @@ def test_a_wide_mlp_without_its_clear_and_with_two_updates_trains_bitwise_the_un
         assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"
 
 
-CLIP_RESET = """streams {
-    trans  : copy
-    comp1  : compute
-    comp2  : compute
-    comp3  : compute
-    update : update
-}
-state { gnorm : f32[]; clip : f32[] }
-model mlp(batch = 8, hidden = 16) {
-    input x : f32[batch, 64]
-    input y : i32[batch]
-    h1     = linear(x, hidden)
-    a1     = relu(h1)
-    logits = linear(a1, 10)
-    loss   = softmax_cross_entropy(logits, y)
-}
-graph load[a, b] on trans  { copy batch -> x, y }
+CLIP_RESET = STREAMS + """state { gnorm : f32[]; clip : f32[] }
+""" + SMALL + """graph load[a, b] on trans  { copy batch -> x, y }
 graph zero_grad  on update { clear grad(mlp); clear gnorm }
 graph pass       on comp1  { forward mlp; backward mlp }
 graph optimize   on update {
@@ -301,7 +299,7 @@ def test_dead_fills_are_those_the_byte_recount_finds(s, user_copy):
     if user_copy:
         kernels["copy"] = object()
         user.add("copy")
-    kept = _dead_fills(s, kernels=kernels, stdlib=KERNELS)
+    kept = _dead_fills(s, s.tasks, kernels, KERNELS)
     gone = {t.id for t in s.tasks} - {t.id for t in kept}
     assert gone == _oracle_dead(s, user)
 
@@ -310,10 +308,10 @@ def test_a_partial_overwrite_keeps_the_clear_and_two_halves_drop_it():
     t = [Task(0, "fill", "s1", (), ("g",), key="a"), Task(1, "copy", "s1", ("x",), ("g_lo",), key="b"),
          Task(2, "copy", "s2", ("g",), ("y",), key="c")]
     s = Schedule(("s1", "s2", HOST), _BUFS, tuple(t))
-    assert [x.id for x in _dead_fills(s, stdlib=KERNELS)] == [0, 1, 2]
+    assert [x.id for x in _dead_fills(s, s.tasks, None, KERNELS)] == [0, 1, 2]
     t2 = t[:2] + [Task(2, "copy", "s2", ("x",), ("g_hi",), key="c"), Task(3, "copy", "s2", ("g",), ("y",), key="d")]
     s2 = Schedule(("s1", "s2", HOST), _BUFS, tuple(t2))
-    assert [x.id for x in _dead_fills(s2, stdlib=KERNELS)] == [1, 2, 3]
+    assert [x.id for x in _dead_fills(s2, s2.tasks, None, KERNELS)] == [1, 2, 3]
 
 
 # -- updates in two launches ------------------------------------------------------------------
@@ -380,14 +378,7 @@ def test_small_products_keep_their_overlap(tmp_path, monkeypatch):
 
 # -- epilogues and state: a value the run returns ----------------------------------------------
 
-EPILOGUE_STATE = """streams {
-    trans  : copy
-    comp1  : compute
-    comp2  : compute
-    comp3  : compute
-    update : update
-}
-state { a : f32[16, 16] = ones
+EPILOGUE_STATE = STREAMS + """state { a : f32[16, 16] = ones
         w : f32[16, 10] = ones
         bb : f32[10] = ones
         t : f32[16, 10]
@@ -398,15 +389,7 @@ op probe(a : f32[16, 16], w : f32[16, 10], bb : f32[10], t : f32[16, 10], h : f3
     h = t + bb
     r = relu(h)
 }
-model mlp(batch = 8, hidden = 16) {
-    input x : f32[batch, 64]
-    input y : i32[batch]
-    h1     = linear(x, hidden)
-    a1     = relu(h1)
-    logits = linear(a1, 10)
-    loss   = softmax_cross_entropy(logits, y)
-}
-graph load[a, b] on trans  { copy batch -> x, y }
+""" + SMALL + """graph load[a, b] on trans  { copy batch -> x, y }
 graph zero_grad  on update { clear grad(mlp) }
 graph pass       on comp1  { forward mlp; backward mlp }
 graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
@@ -421,14 +404,7 @@ train {
 }
 """
 
-GATED_STATE = """streams {
-    trans  : copy
-    comp1  : compute
-    comp2  : compute
-    comp3  : compute
-    update : update
-}
-state { a : f32[16, 16] = ones
+GATED_STATE = STREAMS + """state { a : f32[16, 16] = ones
         w : f32[16, 10] = ones
         yv : f32[16, 10] = ones
         t : f32[16, 10]
@@ -437,15 +413,7 @@ op probe(a : f32[16, 16], w : f32[16, 10], yv : f32[16, 10], t : f32[16, 10], r 
     t = matmul(a, w)
     r = relu_grad(t, yv)
 }
-model mlp(batch = 8, hidden = 16) {
-    input x : f32[batch, 64]
-    input y : i32[batch]
-    h1     = linear(x, hidden)
-    a1     = relu(h1)
-    logits = linear(a1, 10)
-    loss   = softmax_cross_entropy(logits, y)
-}
-graph load[a, b] on trans  { copy batch -> x, y }
+""" + SMALL + """graph load[a, b] on trans  { copy batch -> x, y }
 graph zero_grad  on update { clear grad(mlp); clear t }
 graph pass       on comp1  { forward mlp; backward mlp }
 graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
@@ -473,3 +441,21 @@ def test_an_epilogue_never_folds_away_a_state_the_run_returns(tmp_path, text):
     assert any(t.kernel == "matmul" and t.outs == ("t",) for t in fused.schedule.tasks)
     for steps in (1, 2):
         assert outcome(fused, max_steps=steps) == outcome(plain, max_steps=steps)
+
+
+@pytest.mark.parametrize("var", ["STREAMSCHED_DEAD_FILLS", "STREAMSCHED_SPLIT_UPDATES", "STREAMSCHED_HEAVY_IN_TURN"])
+def test_a_switch_that_says_something_else_is_refused_before_a_run(tmp_path, var):
+    """`streamsched run` refuses a rule's switch set to anything but 1 or 0 with X004 and exit
+    status 1, before any work (no traceback, nothing written); `check` reads it as the default."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), **{var: "yes"})
+    path = os.path.join(ROOT, "examples", "mlp_digits.sched")
+    run = subprocess.run([sys.executable, "-m", "streamsched", "run", path, "--epochs", "1"], capture_output=True,
+                         text=True, env=env, cwd=str(tmp_path))
+    assert run.returncode == 1 and f"error[X004]: ${var}: `yes` is not 1 or 0" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr and list(tmp_path.iterdir()) == []
+    chk = subprocess.run([sys.executable, "-m", "streamsched", "check", path], capture_output=True, text=True,
+                         env=env, cwd=str(tmp_path))
+    assert chk.returncode == 0, chk.stderr

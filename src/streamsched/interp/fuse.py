@@ -26,8 +26,9 @@ BIAS epilogue, the transformer's projections),
 when no other task reads t (nor, for relu, h: the RELU_BIAS epilogue never writes it; gelu's
 backward reads h, which GELU_AUX_BIAS writes as its auxiliary output) or any buffer sharing
 their bytes, and neither is a value a run returns and saves (a buffer of a kind other than act
-and temp, or sharing a byte with one: `_Kept`; the backward epilogues and gated products alike); under `barriers = explicit` only when all three are on one stream (the user orders
-the streams there: fusing across them would hide a missing `after`).  The seed's runtime does the
+and temp, or sharing a byte with one: `_kept`; the backward epilogues and gated products alike);
+under `barriers = explicit` only when all three are on one stream (the user orders the streams
+there: fusing across them would hide a missing `after`).  The seed's runtime does the
 same with its region-level batched updates on the update stream.
 
 Backward epilogues: a linear's input-gradient GEMM `matmul(dz, w) -> dy` (either transpose flag),
@@ -77,8 +78,8 @@ This is the backward of a layer stack: the first layer's weight gradient comes l
 other layers' updates can run beside its GEMM instead of after it.  The parts of a run are
 adjacent in issue order and share no byte, so any order of them is the same program; a run whose
 parts name each other in `after` stays one launch, and the same work in every unrolled step
-(equal keys, but for the slot) is split alike.  Where every update waits for one shared input (AMP's found_inf,
-a clipping scale) nothing is gained and the run stays one launch.  Only under `barriers = auto`
+(equal keys, but for the slot) is split alike.  Where every update waits for one shared input
+(AMP's found_inf, a clipping scale) nothing is gained and the run stays one launch.  Only under `barriers = auto`
 (under `chain` and `explicit` the plan is the file's, orders and all).
 `STREAMSCHED_SPLIT_UPDATES=0` turns this off.
 
@@ -98,17 +99,18 @@ leaves (R001 under `chain` and `explicit`) or order two all-reduces the file lea
 Dead clears: a `fill` task (the stdlib's own; `clear grad(m)` makes one per gradient) is dropped
 when nothing can observe what it writes: for every storage segment it covers, the next task in
 issue order that reads the segment or overwrites it is an overwrite in the fill's own step (a
-run may end after any step, and what a step leaves is returned, saved and checkpointed): a device task of a stdlib
-kernel (the stdlib writes every element of each output; a user kernel might not) that writes the
-segment without reading it.  Writes by host tasks and user kernels neither read nor cover.
+run may end after any step, and what a step leaves is returned, saved and checkpointed): a
+device task of a stdlib kernel (the stdlib writes every element of each output; a user kernel
+might not) that writes the segment without reading it.  Writes by host tasks and user kernels neither read nor cover.
 The rule is decided on storage segments, so `into` aliases and planned storage reuse count as
 the same bytes; it holds for every unrolled step of the fill's work (its `key`) or for none; a
 fill named in another task's `after` is kept.  Only under `barriers = auto`: under `chain` and
 `explicit` the checker reports the orders a file leaves out, and a clear that races its
 overwrite (or the previous step's read) is the user's bug, which dropping the clear would hide
-from the check of the plan that runs (the same file must be rejected with `--no-fuse` too).  This is the case of a step whose backward writes
-each gradient (dW = x^T dz, db = sum dz): the clear before it is work without effect, which on
-the device also takes bandwidth from the forward it runs beside.  Where a gradient accumulates
+from the check of the plan that runs (the same file must be rejected with `--no-fuse` too).
+This is the case of a step whose backward writes each gradient (dW = x^T dz, db = sum dz): the
+clear before it is work without effect, which on the device also takes bandwidth from the
+forward it runs beside.  Where a gradient accumulates
 (`add` reads it, a second micro-batch), or a parameter takes no gradient in the step, the clear
 stays.  Removing a dead clear changes no value the program can read; the checker proves the plan
 without it.  `STREAMSCHED_DEAD_FILLS=0` keeps every clear (for comparison).
@@ -122,6 +124,7 @@ import os
 from dataclasses import replace
 
 from streamsched.interp.dependencies import storage_segments
+from streamsched.interp.env_choice import EnvChoice
 from streamsched.interp.ir import HOST, Buffer, Schedule, Task, evolve, renumbered
 from streamsched.stdlib.kernels.multi_tensor import FUSIBLE
 
@@ -135,11 +138,16 @@ def backward_epilogues() -> bool:
     return os.environ.get("STREAMSCHED_BWD_EPILOGUES", "0") == "1"
 
 
-def split_updates() -> bool:
-    """Whether an optimizer's fused update may be two launches, its gradients' early part first
-    (`STREAMSCHED_SPLIT_UPDATES=0` keeps one launch a run; module docstring, "Updates in two
-    launches")."""
-    return os.environ.get("STREAMSCHED_SPLIT_UPDATES", "1") != "0"
+DEAD_FILLS = EnvChoice("STREAMSCHED_DEAD_FILLS", ("1", "0"), "1")
+SPLIT_UPDATES = EnvChoice("STREAMSCHED_SPLIT_UPDATES", ("1", "0"), "1")
+HEAVY_IN_TURN = EnvChoice("STREAMSCHED_HEAVY_IN_TURN", ("1", "0"), "1")
+"""The three scheduling rules' switches (module docstring): `1` (the default, also unset or
+empty) or `0` (off, for comparison).  `streamsched run` and `train()` refuse any other value with
+X004 (training/settings.py, `env_choices`); the checker reads such a value as `1`."""
+
+
+def _rule_on(choice: EnvChoice) -> bool:
+    return choice.error(os.environ.get(choice.name)) != "" or choice.get() == "1"
 
 
 def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
@@ -185,7 +193,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
             held = _Held(segs, shared, bufs)
             held.add(own, bufs)
             sig = tsig
-    if split_updates():
+    if _rule_on(SPLIT_UPDATES):
         groups = _split_updates(groups, tasks, schedule, segs)
     if tasks is schedule.tasks and all(len(g) < max(2, min_parts) or not _fusible(g[0], kernels, KERNELS)
                                        for g in groups):
@@ -226,7 +234,7 @@ def _heavy_in_turn(tasks, schedule: Schedule):
     """`tasks` with each heavy product (priority.task_flops >= HEAVY_FLOPS) ordered after the heavy
     product issued before it in its unit, step and launch, when that one is on another stream
     (an `after` on it; the same stream already orders them); `tasks` itself when none is."""
-    if os.environ.get("STREAMSCHED_HEAVY_IN_TURN", "1") == "0" or schedule.policy != "auto":
+    if not _rule_on(HEAVY_IN_TURN) or schedule.policy != "auto":
         return tasks
     from streamsched.interp.priority import task_flops
     from streamsched.stdlib.kernels.collectives import is_collective
@@ -254,59 +262,54 @@ def _work(key: str) -> str:
     return key.split("|", 1)[-1]
 
 
+def _update_run(g: list[Task]) -> bool:
+    """Whether group g is a run of optimizer updates that may be split: three parts or more of a
+    FUSIBLE `*_step` kernel, none named in another's `after`."""
+    if len(g) < 3 or not g[0].kernel.endswith("_step") or g[0].kernel not in FUSIBLE:
+        return False
+    ids = {t.id for t in g}
+    return not any(a in ids for t in g for a in t.after)
+
+
 def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) -> list[list[Task]]:
-    """`groups` with each run of optimizer updates (a FUSIBLE `*_step` kernel) that gains from it
-    split in two (module docstring, "Updates in two launches"); the list itself when none does."""
-    if schedule.policy != "auto" or \
-            not any(len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE for g in groups):
+    """`groups` with each run of optimizer updates (`_update_run`) that gains from it split in two
+    (module docstring, "Updates in two launches"); the list itself when none does."""
+    runs = [g for g in groups if _update_run(g)]
+    if schedule.policy != "auto" or not runs:
         return groups
     from streamsched.interp.priority import BYTE_RATE, LAUNCH_US, task_cost_us
 
     nbytes = {b.name: int(b.nbytes) for b in schedule.buffers}
     # A split saves at most the bytes of its first launch, so a run of at most LAUNCH_US worth of
     # bytes in all never gains a launch's cost: no estimate needed when every run is that small.
-    if all(sum(nbytes.get(b, 0) for t in g for b in t.args + t.outs) <= LAUNCH_US * BYTE_RATE
-           for g in groups if len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE):
+    if all(sum(nbytes.get(b, 0) for t in g for b in t.args + t.outs) <= LAUNCH_US * BYTE_RATE for g in runs):
         return groups
     if segs is None:
         segs = storage_segments(schedule)
     shapes = {b.name: tuple(b.shape) for b in schedule.buffers}
-    seg_of = lambda n: segs.get(n, ())  # noqa: E731 (an undeclared name: no producer to wait for)
+    # The estimate runs up to the last part of the first run of each kind: the same work in a
+    # later step, of either slot (a key is "slot|statement|template": _work drops the slot), is
+    # split alike, so the rest of the schedule is not needed.
+    last_needed = max(g[-1].id for g in {tuple(_work(t.key) for t in g): g for g in reversed(runs)}.values())
     done: dict[int, float] = {}  # segment -> estimated finish of its last writer
     free: dict[str, float] = {}  # stream -> estimated finish of its last task
     ready: dict[int, float] = {}  # task id -> when its inputs are estimated ready
     start_of: dict[int, float] = {}  # task id -> when its stream is estimated free
-    def candidate(g) -> bool:
-        ids = {t.id for t in g}
-        return len(g) >= 3 and g[0].kernel.endswith("_step") and g[0].kernel in FUSIBLE \
-            and not any(a in ids for t in g for a in t.after)
-
-    # The estimate runs up to the last part of the first run of each kind: the same work in a
-    # later step, of either slot (a key is "slot|statement|template": _work drops the slot), is
-    # split alike, so the rest of the schedule is not needed.
-    last_needed = max(g[-1].id for g in {tuple(_work(t.key) for t in g): g for g in reversed(groups)
-                                          if candidate(g)}.values()) if any(candidate(g) for g in groups) else -1
-    cost_of: dict[str, float] = {}  # key -> estimated us (the same work in every step)
     for t in tasks:
         if t.id > last_needed:
             break
-        r = max((done.get(x, 0.0) for a in t.args for x in seg_of(a)), default=0.0)
+        r = max((done.get(x, 0.0) for a in t.args for x in segs.get(a, ())), default=0.0)
         ready[t.id], start_of[t.id] = r, free.get(t.stream, 0.0)
-        c = cost_of.get(t.key) if t.key else None
-        if c is None:
-            c = 0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes)
-            if t.key:
-                cost_of[t.key] = c
-        f = max(r, start_of[t.id]) + c
+        f = max(r, start_of[t.id]) + (0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes))
         for o in t.outs:
-            for x in seg_of(o):
+            for x in segs.get(o, ()):  # (an undeclared name: no producer to wait for)
                 done[x] = f
         free[t.stream] = f
 
     chosen: dict[tuple, frozenset] = {}  # the parts' keys -> the keys of the first launch
     out: list[list[Task]] = []
     for g in groups:
-        if not candidate(g):
+        if not _update_run(g):
             out.append(g)
             continue
         keys = tuple(_work(t.key) for t in g)
@@ -329,7 +332,7 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
                 f = max(f1, rn) + LAUNCH_US + (shared + total - head) / BYTE_RATE
                 if f < best - LAUNCH_US:
                     best, best_k = f, k
-            first = chosen[keys] = frozenset(_work(t.key) for t in order[:best_k]) if best_k < len(order) else frozenset()
+            first = chosen[keys] = frozenset(_work(t.key) for t in order[:best_k] if best_k < len(order))
         if not first or len(first) == len(g):
             out.append(g)
             continue
@@ -338,17 +341,14 @@ def _split_updates(groups: list[list[Task]], tasks, schedule: Schedule, segs) ->
     return out
 
 
-def _dead_fills(schedule: Schedule, tasks=None, kernels=None, stdlib=None) -> tuple[Task, ...]:
-    """`tasks` (schedule.tasks when None, or the epilogue passes' rewrite of them) without their
-    dead clears (module docstring, "Dead clears"); the tuple itself when there is none.  One pass
-    over the tasks builds each storage segment's accesses in issue order; a fill is then decided
-    by one bisection per segment it covers."""
-    if tasks is None:
-        tasks = schedule.tasks
-    if stdlib is None:
-        from streamsched.stdlib.kernels import KERNELS as stdlib
+def _dead_fills(schedule: Schedule, tasks, kernels, stdlib) -> tuple[Task, ...]:
+    """`tasks` (schedule.tasks, or the epilogue passes' rewrite of them) without their dead clears
+    (module docstring, "Dead clears"); the tuple itself when there is none.  One pass over the
+    tasks builds each cleared storage segment's accesses in issue order; a fill is then decided by
+    one bisection per segment it covers."""
     fill = stdlib.get("fill")
-    if os.environ.get("STREAMSCHED_DEAD_FILLS", "1") == "0" or schedule.policy != "auto" or fill is None or (kernels is not None and kernels.get("fill") is not fill):
+    if not _rule_on(DEAD_FILLS) or schedule.policy != "auto" or fill is None \
+            or (kernels is not None and kernels.get("fill") is not fill):
         return tasks
     if not any(t.kernel == "fill" and t.stream != HOST for t in tasks):
         return tasks
@@ -459,7 +459,7 @@ def _epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _EPI_KERNELS):
         return tasks
     bufs = {b.name: b for b in buffers}
-    kept = _Kept(buffers)
+    kept = _kept(buffers).__contains__
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3 or None)
     for i, t1 in enumerate(tasks):
         if t1.kernel != "matmul" or i + 1 >= len(tasks):
@@ -608,7 +608,7 @@ def _bwd_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
         return any(not _apart(bufs, o, r) for o in u.outs for r in reads + writes) \
             or any(not _apart(bufs, a, w) for a in u.args for w in writes)
 
-    kept = _Kept(buffers)
+    kept = _kept(buffers).__contains__
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2, t3, index of t3)
     reach = -1  # the last candidate's t3: spans never interleave, so each move is its own
     for i in range(len(tasks) - 2):
@@ -721,7 +721,7 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _GATED):
         return tasks, ()
     bufs = {b.name: b for b in buffers}
-    kept = _Kept(buffers)
+    kept = _kept(buffers).__contains__
     cand: dict[int, tuple] = {}  # index of t1 -> (t1, t2)
     for i in range(len(tasks) - 1):
         t1, t2 = tasks[i], tasks[i + 1]
@@ -843,52 +843,13 @@ _PASSING = ("act", "temp")
 """Buffer kinds a run neither returns nor saves: a step's intermediate values."""
 
 
-class _Kept:
-    """Whether a buffer's bytes are observable after a step (a run returns, saves and
-    checkpoints parameters, gradients, state, inputs: every kind but act and temp), so an
-    epilogue must not drop its write: `kept(name)`.  By storage: a buffer of a passing kind that
-    shares a byte with a kept one is kept (an `into` alias of a state)."""
-
-    def __init__(self, buffers):
-        self.bufs = {b.name: b for b in buffers}
-        spans: dict[str, list[tuple[int, int]]] = {}
-        self.roots: set[str] = set()
-        for b in buffers:
-            if b.kind in _PASSING:
-                continue
-            if b.offset >= 0 and b.nbytes > 0:
-                spans.setdefault(b.space, []).append((b.offset, b.offset + b.nbytes))
-            self.roots.add(self._root(b.name))
-        self.spans = {sp: sorted(v) for sp, v in spans.items()}
-        self.ends = {sp: _running_max(v) for sp, v in self.spans.items()}
-
-    def _root(self, name: str) -> str:
-        seen = set()
-        while name in self.bufs and self.bufs[name].alias_of and name not in seen:
-            seen.add(name)
-            name = self.bufs[name].alias_of
-        return name
-
-    def __call__(self, name: str) -> bool:
-        b = self.bufs.get(name)
-        if b is None:
-            return False
-        if b.kind not in _PASSING or self._root(name) in self.roots:
-            return True
-        if b.offset < 0 or b.nbytes == 0:
-            return False
-        lo, hi = b.offset, b.offset + b.nbytes
-        spans, ends = self.spans.get(b.space, ()), self.ends.get(b.space, ())
-        j = bisect.bisect_left(spans, (hi,))  # spans starting before hi
-        return j > 0 and ends[j - 1] > lo
-
-
-def _running_max(spans):
-    out, m = [], -1
-    for _, e in spans:
-        m = max(m, e)
-        out.append(m)
-    return out
+def _kept(buffers) -> set[str]:
+    """The buffers whose bytes a run returns, saves or checkpoints (every kind but act and temp:
+    parameters, gradients, state, inputs), and every buffer sharing a storage segment with one
+    (an `into` alias of a state): an epilogue must not drop a write of them."""
+    segs = storage_segments(Schedule((), tuple(buffers), ()))
+    kept = {s for b in buffers if b.kind not in _PASSING for s in segs.get(b.name, ())}
+    return {n for n, ss in segs.items() if not kept.isdisjoint(ss)}
 
 
 def _apart(bufs, a: str, b: str) -> bool:

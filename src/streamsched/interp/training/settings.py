@@ -263,14 +263,16 @@ def run_settings(program, opts: TrainOptions) -> tuple[int, int]:
 
 
 def env_choices() -> tuple:
-    """The CUDA backend's environment settings (interp/env_choice.py), each refused with X004
-    before a run when it says something else: GEMM timing, kernel priorities, skinny products.
-    Their modules are leaves (NumPy only, no CuPy)."""
+    """The environment settings (interp/env_choice.py), each refused with X004 before a run when
+    it says something else: GEMM timing, kernel priorities, skinny products (the CUDA backend's)
+    and the fusion pass's scheduling rules (dead clears, updates in two launches, heavy products
+    in turn).  Their modules are leaves (NumPy only, no CuPy)."""
     from streamsched.interp.cuda.gemm_tune import TUNE
+    from streamsched.interp.fuse import DEAD_FILLS, HEAVY_IN_TURN, SPLIT_UPDATES
     from streamsched.interp.priority import PRIORITIES
     from streamsched.stdlib.kernels._cuda import SKINNY
 
-    return TUNE, PRIORITIES, SKINNY
+    return TUNE, PRIORITIES, SKINNY, DEAD_FILLS, SPLIT_UPDATES, HEAVY_IN_TURN
 
 
 def epoch_launch_error(value) -> str:
