@@ -378,7 +378,26 @@ def test_small_products_keep_their_overlap(tmp_path, monkeypatch):
 
 # -- epilogues and state: a value the run returns ----------------------------------------------
 
-EPILOGUE_STATE = STREAMS + """state { a : f32[16, 16] = ones
+def _probe_program(state_and_op: str, look: str, clears: str = "clear grad(mlp)") -> str:
+    """STREAMS, a user op probe over `state` buffers (state_and_op), SMALL, and a step that runs
+    `look` (the probe's call) on comp2 after zero_grad (`clears`)."""
+    return STREAMS + state_and_op + SMALL + f"""graph load[a, b] on trans  {{ copy batch -> x, y }}
+graph zero_grad  on update {{ {clears} }}
+graph pass       on comp1  {{ forward mlp; backward mlp }}
+graph optimize   on update {{ sgd(mlp, lr, momentum = 0.9) }}
+graph look       on comp2  {{ {look} }}
+step train(slot) {{ upload lr on trans; zero_grad; look; pass(load[slot]); load[next]; optimize }}
+train {{
+    model    = mlp
+    data     = digits(test = 0.2, seed = 0)
+    epochs   = 1
+    lr       = 0.05
+    capture  = graphs
+}}
+"""
+
+
+EPILOGUE_STATE = _probe_program("""state { a : f32[16, 16] = ones
         w : f32[16, 10] = ones
         bb : f32[10] = ones
         t : f32[16, 10]
@@ -389,22 +408,9 @@ op probe(a : f32[16, 16], w : f32[16, 10], bb : f32[10], t : f32[16, 10], h : f3
     h = t + bb
     r = relu(h)
 }
-""" + SMALL + """graph load[a, b] on trans  { copy batch -> x, y }
-graph zero_grad  on update { clear grad(mlp) }
-graph pass       on comp1  { forward mlp; backward mlp }
-graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
-graph look       on comp2  { probe(a, w, bb, t, h, r) }
-step train(slot) { upload lr on trans; zero_grad; look; pass(load[slot]); load[next]; optimize }
-train {
-    model    = mlp
-    data     = digits(test = 0.2, seed = 0)
-    epochs   = 1
-    lr       = 0.05
-    capture  = graphs
-}
-"""
+""", "probe(a, w, bb, t, h, r)")
 
-GATED_STATE = STREAMS + """state { a : f32[16, 16] = ones
+GATED_STATE = _probe_program("""state { a : f32[16, 16] = ones
         w : f32[16, 10] = ones
         yv : f32[16, 10] = ones
         t : f32[16, 10]
@@ -413,20 +419,7 @@ op probe(a : f32[16, 16], w : f32[16, 10], yv : f32[16, 10], t : f32[16, 10], r 
     t = matmul(a, w)
     r = relu_grad(t, yv)
 }
-""" + SMALL + """graph load[a, b] on trans  { copy batch -> x, y }
-graph zero_grad  on update { clear grad(mlp); clear t }
-graph pass       on comp1  { forward mlp; backward mlp }
-graph optimize   on update { sgd(mlp, lr, momentum = 0.9) }
-graph look       on comp2  { probe(a, w, yv, t, r) }
-step train(slot) { upload lr on trans; zero_grad; look; pass(load[slot]); load[next]; optimize }
-train {
-    model    = mlp
-    data     = digits(test = 0.2, seed = 0)
-    epochs   = 1
-    lr       = 0.05
-    capture  = graphs
-}
-"""
+""", "probe(a, w, yv, t, r)", clears="clear grad(mlp); clear t")
 
 
 @pytest.mark.parametrize("text", [EPILOGUE_STATE, GATED_STATE], ids=["epilogue", "gated"])
