@@ -175,3 +175,71 @@ def test_gemm_relu_grad_is_bitwise_matmul_then_relu_grad(cp, ctx, monkeypatch, c
     assert np.array_equal(g.view(np.uint32), r.view(np.uint32))
     keep = y > 0
     assert np.all(g[~keep] == 0) and np.all(np.abs(g[keep] - want[keep]) <= 2e-6 * (scale[keep] + 1e-30) * np.sqrt(k))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("m,k,n", [(128, 10, 1024), (2048, 10, 1024), (333, 7, 130), (31, 3, 1000)], ids=str)
+def test_the_smallk_tile_never_changes_a_bit(cp, ctx, monkeypatch, m, k, n, gated):
+    """ss_gemm_smallk at every tile width (un = 1..4 columns a thread, `_smallk_launch_columns`
+    forced): bitwise the same output, gated by relu_grad's rule or not, and the gate's zeros
+    where the NumPy mask says."""
+    from streamsched.stdlib.kernels import _cuda
+
+    monkeypatch.setattr(_cuda, "SKINNY_MAX_OUT", 1 << 30)
+    rng = np.random.default_rng(m + n)
+    a, b, want, scale = _operands(rng, m, k, n, False, True, np.float32)
+    y = rng.standard_normal((m, n)).astype(np.float32)
+    y[0, :4] = [0.0, -0.0, np.nan, -1.0]
+    da, db, dy = cp.asarray(a), cp.asarray(b), cp.asarray(y)
+    outs = []
+    for un in (1, 2, 3, 4):
+        monkeypatch.setattr(_cuda, "_smallk_launch_columns", lambda m_, n_, s_, un=un: un)
+        c = cp.full((m, n), 9, np.float32)
+        cp.cuda.Device().synchronize()
+        assert _cuda._skinny_gemm(ctx, "s0", da, db, c, False, True, gate=dy if gated else None)
+        ctx.synchronize()
+        outs.append(cp.asnumpy(c))
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    keep = y > 0 if gated else np.ones_like(y, bool)
+    assert np.all(outs[0][~keep] == 0)
+    assert np.all(np.abs(outs[0][keep] - want[keep]) <= 2e-6 * (scale[keep] + 1e-30) * np.sqrt(k))
+
+
+def test_gated_smallk_timing(cp, ctx):
+    """Printed, not asserted: µs of the gated classifier input gradient (the fusion pass's
+    gemm_relu_grad) in a captured graph of 20, against the product and relu_grad apart."""
+    from streamsched.stdlib.kernels.elementwise import relu_grad_cuda
+    from streamsched.stdlib.kernels.gemm import gemm_relu_grad_cuda, matmul_cuda
+
+    rng = np.random.default_rng(3)
+    st = ctx.stream("s0")
+    for m in (128, 2048):
+        a, b, _, _ = _operands(rng, m, 10, 1024, False, True, np.float32)
+        da, db = cp.asarray(a), cp.asarray(b)
+        dy = cp.asarray(rng.standard_normal((m, 1024)).astype(np.float32))
+        t, c = cp.zeros((m, 1024), np.float32), cp.zeros((m, 1024), np.float32)
+        cp.cuda.Device().synchronize()
+        row = []
+        for fused in (True, False):
+            def once():
+                if fused:
+                    gemm_relu_grad_cuda(ctx, "s0", [da, db, dy], [c], {"ta": False, "tb": True})
+                else:
+                    matmul_cuda(ctx, "s0", [da, db], [t], {"ta": False, "tb": True})
+                    relu_grad_cuda(ctx, "s0", [t, dy], [c], {})
+            once()
+            st.synchronize()
+            st.begin_capture()
+            for _ in range(20):
+                once()
+            g = st.end_capture()
+            g.launch(st)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st)
+            for _ in range(5):
+                g.launch(st)
+            e1.record(st)
+            e1.synchronize()
+            row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
+        print(f"gated smallk {m}x10x1024: {row[0]:.2f} us, apart {row[1]:.2f} us")
