@@ -104,3 +104,25 @@ def assert_runs_in_one_arena(name, ins, attrs):
     for got, want in zip(vout, fresh):
         np.testing.assert_array_equal(got, want)
     assert all(np.shares_memory(v, arena) for v in vout)
+
+
+def graph_us(cp, st, once, per_graph: int = 20, replays: int = 5) -> float:
+    """µs of one call of `once` (it launches on CuPy stream `st`), from a captured graph of
+    `per_graph` calls replayed `replays` times after one warm-up replay (CUDA events around the
+    replays).  `once` runs once uncaptured first, so that what it compiles or tunes is ready.
+    For timing printouts in GPU tests, never asserted: speed lives in benchmarks."""
+    cp.cuda.Device().synchronize()
+    once()
+    st.synchronize()
+    st.begin_capture()
+    for _ in range(per_graph):
+        once()
+    g = st.end_capture()
+    g.launch(st)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(st)
+    for _ in range(replays):
+        g.launch(st)
+    e1.record(st)
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (per_graph * replays)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_helpers import graph_us
 
 pytestmark = pytest.mark.cuda
 
@@ -88,19 +89,5 @@ def test_ew4_timing_against_cupy(cp, ctx):
             else:
                 with ctx.stream("s0"):
                     elementwise._kernels()["relu_grad"](dy, x, out)
-        cp.cuda.Device().synchronize()
-        once()
-        st.synchronize()
-        st.begin_capture()
-        for _ in range(20):
-            once()
-        g = st.end_capture()
-        g.launch(st)
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(st)
-        for _ in range(5):
-            g.launch(st)
-        e1.record(st)
-        e1.synchronize()
-        row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
+        row.append(graph_us(cp, st, once))
     print(f"relu_grad 2048x1024: ss_ew4 {row[0]:.2f} us, CuPy {row[1]:.2f} us")

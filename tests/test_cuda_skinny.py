@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_helpers import graph_us
 
 pytestmark = pytest.mark.cuda
 
@@ -129,21 +130,7 @@ def test_skinny_timing_against_cublas(cp, ctx, monkeypatch):
         for on in ("all", "0"):
             monkeypatch.setenv("STREAMSCHED_SKINNY_GEMM", on)
             c = cp.zeros((m, n), np.float32)
-            cp.cuda.Device().synchronize()
-            matmul_cuda(ctx, "s0", [da, db], [c], {"ta": ta, "tb": tb})
-            st.synchronize()
-            st.begin_capture()
-            for _ in range(20):
-                matmul_cuda(ctx, "s0", [da, db], [c], {"ta": ta, "tb": tb})
-            g = st.end_capture()
-            g.launch(st)
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(st)
-            for _ in range(5):
-                g.launch(st)
-            e1.record(st)
-            e1.synchronize()
-            row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
+            row.append(graph_us(cp, st, lambda: matmul_cuda(ctx, "s0", [da, db], [c], {"ta": ta, "tb": tb})))
         print(f"skinny {m}x{k}x{n} ta={ta} tb={tb}: {row[0]:.2f} us, cuBLAS {row[1]:.2f} us")
 
 
@@ -228,18 +215,5 @@ def test_gated_smallk_timing(cp, ctx):
                 else:
                     matmul_cuda(ctx, "s0", [da, db], [t], {"ta": False, "tb": True})
                     relu_grad_cuda(ctx, "s0", [t, dy], [c], {})
-            once()
-            st.synchronize()
-            st.begin_capture()
-            for _ in range(20):
-                once()
-            g = st.end_capture()
-            g.launch(st)
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(st)
-            for _ in range(5):
-                g.launch(st)
-            e1.record(st)
-            e1.synchronize()
-            row.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 100)
+            row.append(graph_us(cp, st, once))
         print(f"gated smallk {m}x10x1024: {row[0]:.2f} us, apart {row[1]:.2f} us")
