@@ -28,7 +28,7 @@ import sys
 def _load() -> None:
     """The module's other imports, done by `main` under its interrupt handler."""
     global argparse, errno, signal, time, traceback, __version__, Diagnostic, InternalError, SourceCache
-    global StreamschedError, render_all, ArgumentParser
+    global StreamschedError, render_all, ArgumentParser, note_caught, clear_caught
     import argparse
     import errno
     import signal
@@ -37,6 +37,7 @@ def _load() -> None:
 
     from streamsched import __version__
     from streamsched.diagnostics import Diagnostic, InternalError, SourceCache, StreamschedError, render_all
+    from streamsched.interp.training.signals import clear_caught, note_caught
 
     if "ArgumentParser" not in globals():
         ArgumentParser = _argument_parser(argparse)
@@ -563,19 +564,31 @@ class Terminated(KeyboardInterrupt):
 
 
 def _on_signal(signum, frame):
+    note_caught(signum)  # should the interrupt be swallowed (raised inside a __del__), the loop still ends
     raise Terminated(signum)
+
+
+def _on_sigint(signum, frame):
+    note_caught(signum)
+    signal.default_int_handler(signum, frame)
 
 
 def _install_signals() -> dict:
     """Handle SIGTERM and SIGHUP as interrupts, unless they are ignored (`nohup` ignores SIGHUP:
     that choice is kept).  Returns the previous handlers, for `main` to restore."""
     old = {}
+    clear_caught()
     for sig in (s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None):
         try:
             if signal.getsignal(sig) != signal.SIG_IGN:
                 old[sig] = signal.signal(sig, _on_signal)
         except (ValueError, OSError):  # not the main thread
             pass
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # Ctrl-C: Python's own, noted
+            old[signal.SIGINT] = signal.signal(signal.SIGINT, _on_sigint)
+    except (ValueError, OSError):
+        pass
     return old
 
 
@@ -652,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, h)
             except (ValueError, OSError, TypeError):
                 pass
+        if "clear_caught" in globals():
+            clear_caught()
         if orig is not None:
             for f in (out, err):
                 try:

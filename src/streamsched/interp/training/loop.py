@@ -37,7 +37,7 @@ from streamsched.interp.training.run_log import RunLog
 from streamsched.interp.training.runners import make_runner
 from streamsched.interp.training.settings import (_call, _layout_json, _log_output, _run_inputs, init_params,
                                                   run_settings, setting_dir)
-from streamsched.interp.training.signals import _quiet_numpy, _signals_deferred
+from streamsched.interp.training.signals import _quiet_numpy, _signals_deferred, raise_if_swallowed
 from streamsched.outputs import (Output, OutputLock, check_distinct, check_output, holder_info, new_run_id,
                                  remove_stale_temps)
 from streamsched.pipeline import Compiled
@@ -350,6 +350,7 @@ class Run:
                 count, evaluate, snapshot = launch
                 c_issue = time.thread_time()
                 ends = runner.run_epochs(count, evaluate, snapshot, self.order_after(e))
+                raise_if_swallowed()
                 self.result.loop_cpu_s["launch"] += time.thread_time() - c_issue
                 self.steps_run += count * spe
                 self.result.epoch_launches += 1
@@ -363,12 +364,14 @@ class Run:
                     self.cur = k
                     runner.run(segs.for_step(k), functools.partial(self.host_fn, step=k))
                     self.after_step(k)
+                    raise_if_swallowed()  # an interrupt a __del__ swallowed ends the run all the same
                 issued = [(e, first, self.issue_end(runner, evaluate, snapshot, self.order_after(e)), evaluate)]
             dt = (time.perf_counter() - self.epoch_t0) / count
             self.result.epoch_steps.extend([(n, dt)] * count)
             c_fin = time.thread_time()
             while self.pending:  # the launch before this one: read now (waiting for it if need be)
                 self.finish()
+            raise_if_swallowed()  # (checkpoints and evaluation run in finish)
             self.pending.extend(issued)
             while self.pending and self.pending[0][2].ready():
                 self.finish()
