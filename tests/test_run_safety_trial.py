@@ -225,11 +225,17 @@ def test_f26_sighup_ends_a_run_like_sigterm(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "streamsched", "run", "tiny.sched", "--backend", "cpu", "--epochs",
                           "100000", "--save", "ck.npz"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    while not p.stderr.readline().startswith("epoch 2/"):
-        pass
+    while not (line := p.stderr.readline()).startswith("epoch 2/"):
+        if not line:  # the run ended before its second epoch
+            p.kill()
+            pytest.fail("no epoch 2 line")
     p.send_signal(signal.SIGHUP)
-    err = p.stderr.read()
-    assert p.wait(timeout=60) == 129 and "Traceback" not in err
+    try:  # a run that goes on after the signal fails here, it does not hang the suite
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("the run went on after SIGHUP")
+    assert p.returncode == 129 and "Traceback" not in err
     assert "interrupted by SIGHUP in epoch" in err and "resume with:" in err
     assert not [n for n in os.listdir(tmp_path) if n.endswith(LOCK_SUFFIX)]  # released
 
