@@ -220,11 +220,17 @@ def test_f25_an_interrupt_says_which_epochs_of_this_run_are_lost(proj, capsys, m
     assert_untouched(before, root)
 
 
+def _hup_default() -> None:
+    """The child starts with SIGHUP's default action even where the suite runs under `nohup`
+    (which ignores SIGHUP, and a run keeps that choice: this session's CI once hung here so)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def test_f26_sighup_ends_a_run_like_sigterm(tmp_path):
     project(tmp_path)
     p = subprocess.Popen([sys.executable, "-m", "streamsched", "run", "tiny.sched", "--backend", "cpu", "--epochs",
                           "100000", "--save", "ck.npz"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_hup_default)
     while not (line := p.stderr.readline()).startswith("epoch 2/"):
         if not line:  # the run ended before its second epoch
             p.kill()

@@ -40,8 +40,7 @@ def raise_if_swallowed() -> None:
     CPython runs a Python signal handler in the main thread at the next bytecode boundary,
     wherever that is.  When it is inside a `__del__` method or a weakref or GC callback, the
     interpreter prints "Exception ignored in ..." and goes on, and the interrupt is lost
-    (a CI run once ignored SIGHUP this way and trained on for minutes; the mechanism is
-    reproduced by tests/test_run_signals_swallowed.py).  The training loop calls this after
+    (tests/test_run_signals_swallowed.py makes it happen).  The training loop calls this after
     every step and launch, so such a signal still ends the run, one step late at most.  A no-op
     when nothing was recorded."""
     if _CAUGHT:
