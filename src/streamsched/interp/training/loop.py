@@ -371,7 +371,6 @@ class Run:
             c_fin = time.thread_time()
             while self.pending:  # the launch before this one: read now (waiting for it if need be)
                 self.finish()
-            raise_if_swallowed()  # (checkpoints and evaluation run in finish)
             self.pending.extend(issued)
             while self.pending and self.pending[0][2].ready():
                 self.finish()

@@ -498,12 +498,9 @@ def _smallk_launch_columns(m: int, n: int, sms: int) -> int:
     columns past n (the widest of equals), else 1.  [128, 10] @ [10, 1024]:
     8 x 4 = 32 blocks with un = 4 for 132 SMs, 128 with un = 1.  Each output's sum is the same
     whatever the tile, so the choice never changes a bit of the result."""
-    un = _smallk_columns(n)
     tiles = -(-m // 32)
-    if -(-n // (32 * un)) * tiles >= sms:
-        return un
-    fills = [u for u in range(un - 1, 0, -1) if -(-n // (32 * u)) * tiles >= sms]
-    return min(fills, key=lambda u: -(-n // (32 * u)) * 32 * u - n) if fills else 1
+    fills = [u for u in range(_smallk_columns(n), 0, -1) if -(-n // (32 * u)) * tiles >= sms]
+    return min(fills, key=lambda u: -(-n // (32 * u)) * 32 * u - n) if fills else 1  # (the widest: first)
 
 
 def _skinny_on() -> bool:
@@ -537,8 +534,8 @@ def _skinny_case(a, b, c, ta: bool = False, tb: bool = False, gate=None):
     return None
 
 
-EW4_OPS = {"add": 0, "sub": 1, "mul": 2, "accumulate": 0, "relu_grad": 3, "relu": 4}
-"""The elementwise kernels ss_ew4 takes (`ew4`), by their op code."""
+EW4_OPS = {"add": 0, "sub": 1, "mul": 2, "relu_grad": 3, "relu": 4}
+"""The elementwise kernels ss_ew4 takes (`ew4`), by their op code (accumulate runs add's twin)."""
 
 
 def ew4(ctx, stream, name: str, ins, out) -> bool:

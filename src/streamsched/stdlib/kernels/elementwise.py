@@ -12,7 +12,7 @@ from streamsched.stdlib.kernel_record import KCall, KernelTypeError, NotDifferen
 from streamsched.stdlib.kernels._base import (NUMERIC, DocRow, Family, GradArgs, _acc, _dtype, _floats, _fmt,
                                               _from_input, _from_output, _number, _passthrough, _same_shape,
                                               _shape, _write)
-from streamsched.stdlib.kernels._cuda import EW4_OPS, _rowbcast, _stream, ew4
+from streamsched.stdlib.kernels._cuda import _rowbcast, _stream, ew4
 
 FAMILY = Family(__name__, "Elementwise arithmetic and activations")
 _register = FAMILY.register
@@ -337,7 +337,7 @@ def _binary_cuda(name: str) -> Callable:
     def fn(ctx, stream, ins, outs, attrs):
         if op is not None and _rowbcast(ctx, stream, ins[0], ins[1], outs[0], op):
             return
-        if name in EW4_OPS and ew4(ctx, stream, name, ins[:2], outs[0]):
+        if ew4(ctx, stream, name, ins[:2], outs[0]):
             return
         with _stream(ctx, stream):
             _kernels()[name](ins[0], ins[1], outs[0])
@@ -347,7 +347,7 @@ def _binary_cuda(name: str) -> Callable:
 
 def _unary_cuda(name: str) -> Callable:
     def fn(ctx, stream, ins, outs, attrs):
-        if name in EW4_OPS and ew4(ctx, stream, name, ins[:1], outs[0]):
+        if ew4(ctx, stream, name, ins[:1], outs[0]):
             return
         with _stream(ctx, stream):
             _kernels()[name](ins[0], outs[0])
