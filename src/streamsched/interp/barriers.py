@@ -95,11 +95,14 @@ class _Planner:
     # -- primitives -------------------------------------------------------------------------
 
     def _anchor(self, lane: Lane, share: tuple | None, step: int, task: int = -1) -> int:
-        self.pos[lane] += 1
-        c = self.clock.setdefault(lane, {})
-        c[lane] = self.pos[lane]
-        self.anchors.append(_Anchor(lane, self.pos[lane], dict(c), len(self.ins) - 1, share, step, task))
-        aid = len(self.anchors) - 1
+        p = self.pos[lane] = self.pos[lane] + 1
+        c = self.clock.get(lane)
+        if c is None:  # (not setdefault: it would build a dict at every call)
+            c = self.clock[lane] = {}
+        c[lane] = p
+        anchors = self.anchors
+        aid = len(anchors)
+        anchors.append(_Anchor(lane, p, c.copy(), len(self.ins) - 1, share, step, task))
         self.lane_last[lane] = aid
         if share is not None:
             self.share_last[(share, lane)] = aid
@@ -121,9 +124,12 @@ class _Planner:
         """Make `lane` wait for every anchor in `aids`, emitting as few waits as possible: skip
         anchors its clock covers, keep the latest per lane, drop any implied by another (the
         clock of a join covers an anchor iff one of the joined clocks does), and join."""
-        c = self.clock.setdefault(lane, {})
+        c = self.clock.get(lane)
+        if c is None:  # (not setdefault: it would build a dict at every call)
+            c = self.clock[lane] = {}
         anchors = self.anchors
-        needed = [a for a in aids if a is not None and c.get(anchors[a].lane, 0) < anchors[a].pos]
+        cget = c.get
+        needed = [a for a in aids if a is not None and cget(anchors[a].lane, 0) < anchors[a].pos]
         if not needed:
             return  # the lane already knows them all (most tasks): no wait
 
@@ -132,13 +138,15 @@ class _Planner:
             covers an anchor iff one of the joined clocks does)."""
             latest: dict[Lane, int] = {}
             for a in cands:
-                A = self.anchors[a]
+                A = anchors[a]
                 b = latest.get(A.lane)
-                if b is None or self.anchors[b].pos < A.pos:
+                if b is None or anchors[b].pos < A.pos:
                     latest[A.lane] = a
             cand = list(latest.values())
+            if len(cand) == 1:
+                return cand  # (nothing else to imply it)
             return [a for a in cand
-                    if not any(b != a and self.anchors[b].clock.get(self.anchors[a].lane, 0) >= self.anchors[a].pos
+                    if not any(b != a and anchors[b].clock.get(anchors[a].lane, 0) >= anchors[a].pos
                                for b in cand)]
 
         def moved(cands: list[int]) -> list[int]:

@@ -122,6 +122,7 @@ import bisect
 import os
 
 from dataclasses import replace
+from operator import attrgetter
 
 from streamsched.interp.dependencies import storage_segments
 from streamsched.interp.env_choice import EnvChoice
@@ -376,17 +377,26 @@ def _dead_fills(schedule: Schedule, tasks, kernels, stdlib) -> tuple[Task, ...]:
     pos: dict[int, list[int]] = {}
     blind: dict[int, list[bool]] = {}  # segment -> per position: overwritten (not read)
     touching = {n for n, ss in segs.items() if not cleared.isdisjoint(ss)} | set(own)  # names on them
+    rel_names: dict[tuple[str, ...], set[int]] = {}  # names -> the cleared segments they cover (steps share names)
     for i, t in enumerate(tasks):
         if touching.isdisjoint(t.args) and touching.isdisjoint(t.outs):
             continue
-        r = {s for a in t.args for s in rel_of(a)}
+        r = rel_names.get(t.args)
+        if r is None:
+            r = rel_names[t.args] = {s for a in t.args for s in rel_of(a)}
         over = t.stream != HOST and t.kernel in trusted and t.kernel in stdlib
-        w = {s for o in t.outs for s in rel_of(o)} if over else ()
+        w = rel_names.get(t.outs) if over else ()
+        if w is None:
+            w = rel_names[t.outs] = {s for o in t.outs for s in rel_of(o)}
         if not r and not w:
             continue
         for s in r.union(w):
-            pos.setdefault(s, []).append(i)
-            blind.setdefault(s, []).append(s not in r)
+            at = pos.get(s)
+            if at is None:  # (not setdefault, which builds two lists per access)
+                pos[s], blind[s] = [i], [s not in r]
+            else:
+                at.append(i)
+                blind[s].append(s not in r)
     named = {a for t in tasks for a in t.after}
     dead_at: dict[str, bool] = {}  # key -> every fill of that key is dead
     for i, t in enumerate(tasks):
@@ -576,10 +586,18 @@ class _Touching:
 
 
 def _by_name(tasks, field: str) -> dict[str, set[int]]:
+    """Buffer name -> ids of the tasks naming it in `field` ("args" or "outs")."""
     out: dict[str, set[int]] = {}
+    get = out.get
+    names_of = attrgetter(field)
     for t in tasks:
-        for a in getattr(t, field):
-            out.setdefault(a, set()).add(t.id)
+        tid = t.id
+        for a in names_of(t):
+            ids = get(a)
+            if ids is None:  # (not setdefault: it would build a set for every name it finds)
+                out[a] = {tid}
+            else:
+                ids.add(tid)
     return out
 
 
@@ -778,8 +796,9 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
             out.append(evolve(t, kernel="gemm_bias_relu_aux", outs=(t.outs[0], new[t.outs[0]].name)))
         else:
             out.append(t)
+    gone_ids = gone.keys()
     return tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
-                 if any(a in gone for a in t.after) else t for t in out), tuple(new.values())
+                 if t.after and not gone_ids.isdisjoint(t.after) else t for t in out), tuple(new.values())
 
 
 def _relu_masks(ys, bufs, buffers) -> dict[str, Buffer]:

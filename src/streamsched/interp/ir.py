@@ -195,7 +195,8 @@ class Task:
         return default
 
 
-_INIT_FIELDS: dict[type, tuple[dict[str, int], Any]] = {}  # class -> (init field -> index, getter of them all)
+_INIT_FIELDS: dict[type, tuple[dict[str, int], Any, bool]] = {}
+"""class -> (init field -> index, getter of them all, copied by its `__dict__`)."""
 
 
 def evolve(obj: Any, **changes: Any) -> Any:
@@ -209,14 +210,13 @@ def evolve(obj: Any, **changes: Any) -> Any:
     known = _INIT_FIELDS.get(cls)
     if known is None:
         names = tuple(f.name for f in fields(cls) if f.init)
-        known = _INIT_FIELDS[cls] = ({n: i for i, n in enumerate(names)}, attrgetter(*names))
-        if not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__") and len(names) == len(fields(cls)):
-            _DICT_COPY.add(cls)
-    index, getter = known
-    if cls in _DICT_COPY:
-        for n in changes:
-            if n not in index:
-                raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
+        by_dict = not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__") and len(names) == len(fields(cls))
+        known = _INIT_FIELDS[cls] = ({n: i for i, n in enumerate(names)}, attrgetter(*names), by_dict)
+    index, getter, by_dict = known
+    if not changes.keys() <= index.keys():  # (one set comparison; the name is looked for only then)
+        bad = next(n for n in changes if n not in index)
+        raise TypeError(f"evolve: {cls.__name__} has no init field {bad!r}")
+    if by_dict:
         new = object.__new__(cls)
         d = new.__dict__
         d.update(obj.__dict__)
@@ -224,14 +224,9 @@ def evolve(obj: Any, **changes: Any) -> Any:
         return new
     vals = list(getter(obj)) if len(index) > 1 else [getter(obj)]
     for n, x in changes.items():
-        i = index.get(n)
-        if i is None:
-            raise TypeError(f"evolve: {cls.__name__} has no init field {n!r}")
-        vals[i] = x
+        vals[index[n]] = x
     return cls(*vals)
 
-
-_DICT_COPY: set[type] = set()
 
 _BEFORE_AFTER = attrgetter("kernel", "stream", "args", "outs", "attrs")
 _PAST_AFTER = attrgetter("unit", "op", "rep_stream", "step", "slot", "key", "label", "stmt", "span", "launch", "site")

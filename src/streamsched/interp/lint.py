@@ -36,14 +36,16 @@ def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]
     roots = _roots(schedule)
     host_read = {roots.get(n, n) for n in host_read}  # the loss may live in another value's storage
     written: set[str] = {roots.get(n, n) for n in initialized}
-    read_anywhere = {roots.get(a, a) for t in schedule.tasks for a in t.args}
+    # (the distinct argument tuples first: unrolled steps repeat the same few thousand)
+    read_anywhere = {roots.get(a, a) for args in {t.args for t in schedule.tasks} for a in args}
     pending: dict[str, Task] = {}  # root -> last writer whose value no one has read yet
     seen: set[tuple] = set()
     out: list[Diagnostic] = []
 
+    roots_get, pending_get, pending_pop = roots.get, pending.get, pending.pop  # (bound once: a lookup per access)
     for t in schedule.tasks:
         for a in t.args:
-            r = roots.get(a, a)
+            r = roots_get(a, a)
             if r not in written:
                 key = ("S022", _base(a), t.span)
                 if key not in seen:
@@ -53,10 +55,10 @@ def lint_schedule(schedule: Schedule, initialized: set[str], host_read: set[str]
                     out.append(Diagnostic("S022", f"`{t.label or t.kernel}` reads `{_base(a)}`, which nothing "
                                           "has written before it", t.span, help=help_))
                 written.add(r)  # report each buffer once
-            pending.pop(r, None)
+            pending_pop(r, None)
         for o in t.outs:
-            r = roots.get(o, o)
-            prev = pending.get(r)
+            r = roots_get(o, o)
+            prev = pending_get(r)
             # (a staging write that would have to wait inside the step's graph is C003's to report;
             # an upload repeated before anything read the first one copies the same value again,
             # harmless like a second `clear`)

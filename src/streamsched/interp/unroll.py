@@ -92,15 +92,19 @@ def unroll(program: Program, steps: int | None = None, capture: str | None = Non
                      t.label if not slot or not g.slotted else t.label.replace(f"{g.name}:", f"{inst}:", 1),
                      t.stmt or g.name)
                     for ti, t in enumerate(g.templates)]
+            n = base  # the next task's id
             for t, (args, outs, attrs, tkey, label, stmt) in zip(g.templates, made):
                 key = (k, li, t.op)
-                if key not in op_ids:
-                    op_ids[key] = len(op_ids)
+                oid = op_ids.get(key)
+                if oid is None:
+                    oid = op_ids[key] = len(op_ids)
+                after = t.after
                 tasks.append((
-                    len(tasks), t.kernel, t.stream, args, outs, attrs, tuple(base + a for a in t.after) if t.after else (),
-                    -1 if t.stream == HOST else unit, op_ids[key], t.rep_stream, k, slot, tkey, label, stmt,
+                    n, t.kernel, t.stream, args, outs, attrs, tuple([base + a for a in after]) if after else (),
+                    -1 if t.stream == HOST else unit, oid, t.rep_stream, k, slot, tkey, label, stmt,
                     t.span, li, t.site))
-                ids.append(len(tasks) - 1)
+                ids.append(n)
+                n += 1
         elif launch.kind == "upload":
             hb = f"{launch.name}@host" + (f"[{slots[k % period]}]" if program.slots else "")
             key = (k, li, "upload")
@@ -227,13 +231,26 @@ def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]
     Under capture = step the group is the whole step; otherwise one launch (one unit).
     tasks: rows of Task fields in order (`_ID`...); more_after: per task id, the `after` edges
     unroll added to it (merged here, once); launch_after: the same, for edges a whole launch gets."""
-    if capture == "step":
-        order = sorted(range(len(tasks)), key=lambda i: (tasks[i][_STEP], tasks[i][_STREAM] != HOST, i))
-    else:
-        order = sorted(range(len(tasks)), key=lambda i: (tasks[i][_STEP], tasks[i][_LAUNCH], tasks[i][_STREAM] != HOST, i))
+    # The order sorted by (group, device after host, index), group = step (capture = step) or
+    # (step, launch), made by bucketing: each group's host rows then its device rows, in index
+    # order, groups in ascending order (the rows come nearly grouped; no key tuple per row).
+    groups: dict = {}
+    by_launch = capture != "step"
+    for i, t in enumerate(tasks):
+        g = (t[_STEP], t[_LAUNCH]) if by_launch else t[_STEP]
+        lists = groups.get(g)
+        if lists is None:
+            lists = groups[g] = ([], [])
+        lists[t[_STREAM] != HOST].append(i)
+    order = []
+    for g in sorted(groups):
+        host, device = groups[g]
+        order += host
+        order += device
     new_id = [0] * len(tasks)
     for new, old in enumerate(order):
         new_id[old] = new
+    renum = new_id.__getitem__
     out = []
     for nid, old in enumerate(order):
         t = tasks[old]
@@ -246,9 +263,9 @@ def _host_first(tasks: list[tuple], capture: str, more_after: dict[int, set[int]
                 merged |= more
             if whole:
                 merged.update(whole)
-            after = tuple(sorted(new_id[a] for a in merged))
+            after = tuple(sorted(map(renum, merged)))
         else:
-            after = tuple(sorted(new_id[a] for a in t_after)) if t_after else ()
+            after = tuple(sorted(map(renum, t_after))) if t_after else ()
         attrs = t[_ATTRS]
         if t[_STREAM] == HOST and after and after[-1] > nid:
             # Only under capture = step can host work move above device work it must follow: a

@@ -245,23 +245,33 @@ def analyse_plan(plan: EventPlan, races_from: int = 0, first_race: bool = False,
                 stopped = True
                 break
         elif op == "record":
-            lane = lane_id(lane_of(capture, ins.stream, ins.unit))
-            records[ins.event] = (i, lanes[lane][1], dict(clock.get(lane, {})))
+            unit = ins.unit if cap and ins.unit >= 0 else -1  # (lane_of and lane_id, inline)
+            lane = lane_ids.get((ins.stream, unit))
+            if lane is None:
+                lane = lane_id((ins.stream, unit))
+            c = clock_get(lane)
+            records[ins.event] = (i, unit, c.copy() if c is not None else {})
         elif op == "wait":
-            lane = lane_id(lane_of(capture, ins.stream, ins.unit))
+            unit = ins.unit if cap and ins.unit >= 0 else -1  # (lane_of and lane_id, inline)
+            lane = lane_ids.get((ins.stream, unit))
+            if lane is None:
+                lane = lane_id((ins.stream, unit))
             bound = records.get(ins.event)
             if bound is None:
                 later = first_record.get(ins.event)
                 waits.append(WaitProblem(i, "never" if later is None else "later", -1 if later is None else later))
                 continue
-            if cap and bound[1] != lanes[lane][1]:
+            if cap and bound[1] != unit:
                 # CUDA refuses a capture-time wait on an event from outside the capture
                 # (cudaErrorStreamCaptureIsolation): it orders nothing.
                 waits.append(WaitProblem(i, "isolation", bound[0]))
                 continue
-            c = clock.setdefault(lane, {})
+            c = clock_get(lane)
+            if c is None:
+                c = clock[lane] = {}
+            cget = c.get
             for k, val in bound[2].items():
-                if val > c.get(k, 0):
+                if val > cget(k, 0):
                     c[k] = val
         elif op == "begin" and cap:
             clock[lane_id((ins.stream, ins.unit))] = dict(clock.get(lane_id((ins.stream, -1)), {}))
