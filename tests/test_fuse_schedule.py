@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsched.interp.fuse import HEAVY_FLOPS, _dead_fills, fuse_tasks
+from streamsched.interp.fuse import HEAVY_FLOPS, _critical_first, _dead_fills, fuse_tasks
 from streamsched.interp.ir import HOST, Buffer, Schedule, Task
 from streamsched.interp.priority import task_flops
 from streamsched.pipeline import compile_file
@@ -376,6 +376,124 @@ def test_small_products_keep_their_overlap(tmp_path, monkeypatch):
     assert [t.after for t in on.tasks] == [t.after for t in off.tasks]
 
 
+# -- critical path first ----------------------------------------------------------------------
+
+
+def test_an_input_gradient_that_the_layer_below_waits_for_is_issued_before_the_weight_gradient(tmp_path, monkeypatch):
+    """The batch-2048 MLP: h2's dX (which h1's backward waits for) now comes before h2's dW (which
+    only the update waits for) in every step, and the heavy products run in turn in the new order."""
+    path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    c = compile_file(path)
+    assert c.ok
+    edges = {(e.u, e.v) for e in c.edges}
+    for step in range(c.schedule.steps):
+        tasks = _per_step(c, step)
+        names = [t.label.split("@")[-1] for t in tasks if "backward@h" in t.label]
+        assert names[:5] == ["h2.dx +relu_grad", "h2.dw", "h2.db", "h1.dw", "h1.db"], names
+        dx2, dw2 = (next(t for t in tasks if t.label.endswith(n)) for n in ("h2.dx +relu_grad", "h2.dw"))
+        assert (dx2.id, dw2.id) in edges
+    assert [t.id for t in c.schedule.tasks] == list(range(len(c.schedule.tasks)))
+    monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "0")
+    off = compile_file(path)
+    names = [t.label.split("@")[-1] for t in _per_step(off) if "backward@h" in t.label]
+    assert names[:3] == ["h2.dw", "h2.db", "h2.dx +relu_grad"]
+
+
+def test_critical_path_first_trains_the_same_values(tmp_path, monkeypatch):
+    """Metamorphic: the reordered plan trains bitwise the parameters of the plan in issue order
+    (CPU backend, two steps of the batch-2048 MLP, fixed and shuffled interleavings)."""
+    path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    moved = compile_file(path)
+    monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "0")
+    kept = compile_file(path)
+    assert [t.label for t in moved.schedule.tasks] != [t.label for t in kept.schedule.tasks]
+    want = outcome(kept, max_steps=2)
+    for how, got in interleavings(moved, max_steps=2):
+        assert got == want, (how, differ(got, want))
+
+
+_MB = 1 << 20
+_BIG = tuple(Buffer(n, (512, 512), "f32", offset=i * _MB, nbytes=_MB) for i, n in enumerate("abcdefgh")) + (
+    Buffer("lo", (256, 512), "f32", offset=0, nbytes=_MB // 2, alias_of="a"),
+    Buffer("hi", (256, 512), "f32", offset=_MB // 2, nbytes=_MB // 2, alias_of="a"))
+"""Buffers for hand-built schedules: a [512, 512] @ [512, 512] product is 0.27 GFLOP, so products
+of them are heavy only with `_HEAVY_SHAPES`' larger declared shapes; lo and hi are a's halves."""
+
+
+def _bytes_of(name: str) -> range:
+    b = next(x for x in _BIG if x.name == name)
+    return range(b.offset, b.offset + b.nbytes)
+
+
+def _conflict(u: Task, v: Task) -> bool:
+    """Independent oracle: u and v touch a common byte that one of them writes."""
+    def hit(xs, ys):
+        return any(_bytes_of(x).start < _bytes_of(y).stop and _bytes_of(y).start < _bytes_of(x).stop
+                   for x in xs for y in ys)
+    return hit(u.outs, v.args + v.outs) or hit(v.outs, u.args)
+
+
+def _big_schedule(tasks) -> Schedule:
+    heavy = tuple(Buffer(b.name, (2048, 2048) if b.alias_of is None else (1024, 2048), "f32", offset=b.offset,
+                         nbytes=b.nbytes, alias_of=b.alias_of) for b in _BIG)
+    # (declared shapes make every product heavy; the byte ranges are the ones _bytes_of reads)
+    return Schedule(("s1", "s2", "s3", HOST), heavy, tuple(tasks))
+
+
+@st.composite
+def _heavy_schedules(draw):
+    names = [b.name for b in _BIG]
+    tasks = []
+    for i in range(draw(st.integers(2, 10))):
+        kind = draw(st.sampled_from(["matmul", "matmul", "matmul", "copy", "host"]))
+        after = tuple(sorted(draw(st.sets(st.integers(0, i - 1), max_size=1)))) if i and draw(st.booleans()) else ()
+        if kind == "host":
+            tasks.append(Task(i, "stage", HOST, (draw(st.sampled_from(names)),), (), after=after, label=f"t{i}"))
+            continue
+        nin = 2 if kind == "matmul" else 1
+        args = tuple(draw(st.sampled_from(names)) for _ in range(nin))
+        out = draw(st.sampled_from(names))
+        tasks.append(Task(i, kind, draw(st.sampled_from(["s1", "s2", "s3"])), args, (out,), after=after,
+                          label=f"t{i}"))
+    return _big_schedule(tasks)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_heavy_schedules())
+def test_critical_path_first_moves_only_what_commutes(s):
+    """Any schedule: the same tasks, ids still in issue order, every pair that shares a written
+    byte (RAW, WAR, WAW) or an `after` in its order, nothing moved across a host task, and the
+    afters naming the same tasks after the renumbering."""
+    out = _critical_first(s.tasks, s)
+    assert sorted(t.label for t in out) == sorted(t.label for t in s.tasks)
+    assert [t.id for t in out] == [t.id for t in s.tasks]
+    pos = {t.label: k for k, t in enumerate(out)}
+    by_id = {t.id: t.label for t in s.tasks}
+    new_by_id = {t.id: t.label for t in out}
+    for i, u in enumerate(s.tasks):
+        for v in s.tasks[i + 1:]:
+            if u.stream == HOST or v.stream == HOST or u.id in v.after or _conflict(u, v):
+                assert pos[u.label] < pos[v.label], (u, v)
+    old = {t.label: {by_id[a] for a in t.after} for t in s.tasks}
+    assert {t.label: {new_by_id[a] for a in t.after} for t in out} == old
+
+
+def test_a_heavy_product_the_rest_waits_on_passes_one_only_the_update_reads():
+    """P (weight gradient: read by one copy) then Q (input gradient: read by the next heavy
+    product R): Q is issued first.  With Q reading what P writes, or P in Q's after, it is not."""
+    def sched(q_args=("c", "d"), q_after=()):
+        return _big_schedule([
+            Task(0, "matmul", "s1", ("a", "b"), ("e",), label="P"),
+            Task(1, "copy", "s2", ("b",), ("h",), label="light"),
+            Task(2, "matmul", "s3", q_args, ("f",), after=q_after, label="Q"),
+            Task(3, "matmul", "s1", ("f", "c"), ("g",), label="R"),
+            Task(4, "copy", "s2", ("e",), ("d",), label="update")])
+    s = sched()
+    assert [t.label for t in _critical_first(s.tasks, s)] == ["Q", "P", "light", "R", "update"]
+    for s in (sched(q_args=("e", "c")), sched(q_after=(0,)), sched(q_args=("h", "c"))):
+        assert [t.label for t in _critical_first(s.tasks, s)] == ["P", "light", "Q", "R", "update"]
+
+
 # -- epilogues and state: a value the run returns ----------------------------------------------
 
 def _probe_program(state_and_op: str, look: str, clears: str = "clear grad(mlp)") -> str:
@@ -436,7 +554,8 @@ def test_an_epilogue_never_folds_away_a_state_the_run_returns(tmp_path, text):
         assert outcome(fused, max_steps=steps) == outcome(plain, max_steps=steps)
 
 
-@pytest.mark.parametrize("var", ["STREAMSCHED_DEAD_FILLS", "STREAMSCHED_SPLIT_UPDATES", "STREAMSCHED_HEAVY_IN_TURN"])
+@pytest.mark.parametrize("var", ["STREAMSCHED_DEAD_FILLS", "STREAMSCHED_SPLIT_UPDATES", "STREAMSCHED_HEAVY_IN_TURN",
+                                 "STREAMSCHED_CRITICAL_FIRST"])
 def test_a_switch_that_says_something_else_is_refused_before_a_run(tmp_path, var):
     """`streamsched run` refuses a rule's switch set to anything but 1 or 0 with X004 and exit
     status 1, before any work (no traceback, nothing written); `check` reads it as the default."""

@@ -96,6 +96,21 @@ leaves (R001 under `chain` and `explicit`) or order two all-reduces the file lea
 (R008), and fusion must not change a diagnostic.
 `STREAMSCHED_HEAVY_IN_TURN=0` turns it off.
 
+Critical path first: before they are put in turn, a heavy product is issued ahead of the heavy
+product before it (same unit, step and launch) when more work of its step waits on it: its
+upward rank, its estimated cost (interp/priority.py's roofline) plus the largest rank of a task
+of the same unit, step and launch that reads what it writes (read after write, storage segments),
+exceeds the other's by more than one launch's cost.  This is the backward of a layer stack: a
+linear's backward issues its weight gradient first, which only the update waits for, and its
+input gradient after it, which the layer below (its activation's gradient, its weight gradient,
+the rest of the backward) waits for; the input gradient now runs first, and the weight
+gradient's GEMM, split-K reduction and update beside the activation's gradient.  The move is the
+same program exactly: the product passes only tasks it shares no storage segment with where
+either writes (no RAW, WAR or WAW between them), that it names in no `after` and that are not
+host tasks, all of its unit, step and launch; ids are renumbered so they stay in issue order.
+Only under `barriers = auto` and with heavy products in turn (a move could otherwise change the
+orders the file's diagnostics are about).  `STREAMSCHED_CRITICAL_FIRST=0` turns it off.
+
 Dead clears: a `fill` task (the stdlib's own; `clear grad(m)` makes one per gradient) is dropped
 when nothing can observe what it writes: for every storage segment it covers, the next task in
 issue order that reads the segment or overwrites it is an overwrite in the fill's own step (a
@@ -142,7 +157,8 @@ def backward_epilogues() -> bool:
 DEAD_FILLS = EnvChoice("STREAMSCHED_DEAD_FILLS", ("1", "0"), "1")
 SPLIT_UPDATES = EnvChoice("STREAMSCHED_SPLIT_UPDATES", ("1", "0"), "1")
 HEAVY_IN_TURN = EnvChoice("STREAMSCHED_HEAVY_IN_TURN", ("1", "0"), "1")
-"""The three scheduling rules' switches (module docstring): `1` (the default, also unset or
+CRITICAL_FIRST = EnvChoice("STREAMSCHED_CRITICAL_FIRST", ("1", "0"), "1")
+"""The four scheduling rules' switches (module docstring): `1` (the default, also unset or
 empty) or `0` (off, for comparison).  `streamsched run` and `train()` refuse any other value with
 X004 (training/settings.py, `env_choices`); the checker reads such a value as `1`."""
 
@@ -172,6 +188,7 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     masks += more
     # (after the epilogues: a clear is dead on the writes that remain, not on those they fold)
     tasks = _dead_fills(schedule, tasks, kernels, KERNELS)
+    tasks = _critical_first(tasks, schedule)
     tasks = _heavy_in_turn(tasks, schedule)
     # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
     segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
@@ -256,6 +273,104 @@ def _heavy_in_turn(tasks, schedule: Schedule):
             out[i] = evolve(t, after=t.after + (p.id,))
             changed = True
     return tuple(out) if changed else tasks
+
+
+def _critical_first(tasks, schedule: Schedule):
+    """`tasks` with heavy products moved ahead of the heavy product before them where their
+    upward rank is larger (module docstring, "Critical path first"); `tasks` itself when none
+    moves.  Linear in tasks plus accesses, and nothing but the scan for heavy products when fewer
+    than two of them share a unit, step and launch."""
+    if not (_rule_on(CRITICAL_FIRST) and _rule_on(HEAVY_IN_TURN)) or schedule.policy != "auto":
+        return tasks
+    from streamsched.interp.priority import LAUNCH_US, task_cost_us, task_flops
+    from streamsched.stdlib.kernels.collectives import is_collective
+
+    shapes = {b.name: tuple(b.shape) for b in schedule.buffers}
+    heavy: dict[tuple, list[int]] = {}  # (unit, step, launch) -> positions of its heavy products
+    for i, t in enumerate(tasks):
+        if t.stream != HOST and t.kernel.startswith(_PRODUCTS) and task_flops(t, shapes) >= HEAVY_FLOPS:
+            heavy.setdefault((t.unit, t.step, t.launch), []).append(i)
+    if all(len(h) < 2 for h in heavy.values()) or any(is_collective(t.kernel, t.attrs) for t in tasks):
+        return tasks
+    segs = storage_segments(schedule)
+    own: dict[str, tuple[int, ...]] = {}
+
+    def seg_of(name: str) -> tuple[int, ...]:  # an undeclared name (a mask): a segment of its own
+        got = segs.get(name)
+        if got is None:
+            got = own.setdefault(name, (-1 - len(own),))
+        return got
+
+    nbytes = {b.name: int(b.nbytes) for b in schedule.buffers}
+    # Upward ranks, one walk from the end: need[(where, segment)] is the largest rank of a task of
+    # `where` that reads the segment before anything of `where` writes it again.
+    first = min(h[0] for h in heavy.values() if len(h) > 1)
+    rank: dict[int, float] = {}
+    need: dict[tuple, float] = {}
+    for i in range(len(tasks) - 1, first - 1, -1):
+        t = tasks[i]
+        where = (t.unit, t.step, t.launch)
+        r = 0.0
+        for o in t.outs:
+            for x in seg_of(o):
+                got = need.pop((where, x), 0.0)
+                if got > r:
+                    r = got
+        r += 0.0 if t.stream == HOST else task_cost_us(t, shapes, nbytes)
+        rank[i] = r
+        for a in t.args:
+            for x in seg_of(a):
+                k = (where, x)
+                if need.get(k, 0.0) < r:
+                    need[k] = r
+
+    def touches(t: Task) -> tuple[set, set]:
+        return ({x for a in t.args for x in seg_of(a)}, {x for o in t.outs for x in seg_of(o)})
+
+    order = list(range(len(tasks)))  # issue order, as positions into tasks
+    at = list(range(len(tasks)))  # position -> its index in order
+    moved = False
+    for where, hs in heavy.items():
+        cur: list[int] = []  # the heavy products placed so far, in their current issue order
+        for q in hs:
+            qt = tasks[q]
+            reads, writes = touches(qt)
+            c = len(cur)
+            while c and rank[q] > rank[cur[c - 1]] + LAUNCH_US and _passes(
+                    qt, reads, writes, (tasks[order[k]] for k in range(at[cur[c - 1]], at[q])), where, touches):
+                i, j = at[cur[c - 1]], at[q]
+                order[i + 1:j + 1] = order[i:j]
+                order[i] = q
+                for k in range(i, j + 1):
+                    at[order[k]] = k
+                moved = True
+                c -= 1
+            cur.insert(c, q)
+    if not moved:
+        return tasks
+    # Ids stay in issue order: each position takes the id that was there, afters follow the task.
+    new_id = {tasks[p].id: tasks[k].id for k, p in enumerate(order) if p != k}
+    out = []
+    for k, p in enumerate(order):
+        t = tasks[p]
+        after = tuple(new_id.get(a, a) for a in t.after) if t.after else ()
+        nid = tasks[k].id
+        out.append(t if nid == t.id and after == t.after else renumbered(t, nid, after))
+    return tuple(out)
+
+
+def _passes(qt: Task, reads: set, writes: set, between, where: tuple, touches) -> bool:
+    """Whether task qt (reading segments `reads`, writing `writes`) may be issued ahead of the
+    tasks `between` as the same program: none is a host task or of another unit, step or launch,
+    none is named in an `after` of the other, and no storage segment one writes the other reads
+    or writes."""
+    for u in between:
+        if u.stream == HOST or (u.unit, u.step, u.launch) != where or u.id in qt.after or qt.id in u.after:
+            return False
+        ur, uw = touches(u)
+        if not writes.isdisjoint(ur) or not writes.isdisjoint(uw) or not reads.isdisjoint(uw):
+            return False
+    return True
 
 
 def _work(key: str) -> str:
