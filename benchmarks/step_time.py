@@ -1102,14 +1102,16 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
 # -- the run -----------------------------------------------------------------------------------
 
-EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln")
+EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln", "_nocrit")
 """The suffixed ss_step_five variants (--extras): gradients not cleared, fusion off, and EXTRA_ENV's."""
 
 EXTRA_ENV = {"_prio": {"STREAMSCHED_PRIORITIES": "slack"}, "_noprio": {"STREAMSCHED_PRIORITIES": "off"},
-             "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"}}
+             "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"},
+             "_nocrit": {"STREAMSCHED_CRITICAL_FIRST": "0"}}
 """Variants that differ from ss_step_five by one environment setting: critical-path priorities
 on / off (interp/priority.py; the one that is not the default runs), the skinny GEMMs off and
-with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`)."""
+with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`), and the heavy products in
+issue order without fuse.py's "Critical path first"."""
 
 
 def extra_differs(extra: str) -> bool:
