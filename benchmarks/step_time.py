@@ -1102,16 +1102,15 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
 # -- the run -----------------------------------------------------------------------------------
 
-EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln", "_nocrit")
+EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln", "_crit")
 """The suffixed ss_step_five variants (--extras): gradients not cleared, fusion off, and EXTRA_ENV's."""
 
 EXTRA_ENV = {"_prio": {"STREAMSCHED_PRIORITIES": "slack"}, "_noprio": {"STREAMSCHED_PRIORITIES": "off"},
              "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"},
-             "_nocrit": {"STREAMSCHED_CRITICAL_FIRST": "0"}}
+             "_crit": {"STREAMSCHED_CRITICAL_FIRST": "1"}}
 """Variants that differ from ss_step_five by one environment setting: critical-path priorities
 on / off (interp/priority.py; the one that is not the default runs), the skinny GEMMs off and
-with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`), and the heavy products in
-issue order without fuse.py's "Critical path first"."""
+with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`), and fuse.py's "Critical path first" turned on (off by default)."""
 
 
 def extra_differs(extra: str) -> bool:
@@ -1120,7 +1119,10 @@ def extra_differs(extra: str) -> bool:
 
     if extra in ("_prio", "_noprio"):
         return (extra == "_prio") != priorities_on()
-    return all(os.environ.get(k, "1") != v for k, v in EXTRA_ENV[extra].items())
+    from streamsched.interp.training.settings import env_choices
+
+    choice = {c.name: c for c in env_choices()}
+    return all((os.environ.get(k) or choice[k].default) != v for k, v in EXTRA_ENV[extra].items())
 
 
 @contextlib.contextmanager

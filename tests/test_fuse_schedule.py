@@ -383,6 +383,7 @@ def test_an_input_gradient_that_the_layer_below_waits_for_is_issued_before_the_w
     """The batch-2048 MLP: h2's dX (which h1's backward waits for) now comes before h2's dW (which
     only the update waits for) in every step, and the heavy products run in turn in the new order."""
     path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "1")
     c = compile_file(path)
     assert c.ok
     edges = {(e.u, e.v) for e in c.edges}
@@ -403,6 +404,7 @@ def test_critical_path_first_trains_the_same_values(tmp_path, monkeypatch):
     """Metamorphic: the reordered plan trains bitwise the parameters of the plan in issue order
     (CPU backend, two steps of the batch-2048 MLP, fixed and shuffled interleavings)."""
     path = _mlp(tmp_path, batch=2048, inp=784, hid=1024)
+    monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "1")
     moved = compile_file(path)
     monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "0")
     kept = compile_file(path)

@@ -109,7 +109,9 @@ same program exactly: the product passes only tasks it shares no storage segment
 either writes (no RAW, WAR or WAW between them), that it names in no `after` and that are not
 host tasks, all of its unit, step and launch; ids are renumbered so they stay in issue order.
 Only under `barriers = auto` and with heavy products in turn (a move could otherwise change the
-orders the file's diagnostics are about).  `STREAMSCHED_CRITICAL_FIRST=0` turns it off.
+orders the file's diagnostics are about).  Off by default: on the H100 it made the batch-2048
+MLP step slower (516.2 against 512.8 us; 99.8 against 98.8 at batch 128, 2026-12-05).
+`STREAMSCHED_CRITICAL_FIRST=1` turns it on.
 
 Dead clears: a `fill` task (the stdlib's own; `clear grad(m)` makes one per gradient) is dropped
 when nothing can observe what it writes: for every storage segment it covers, the next task in
@@ -157,14 +159,19 @@ def backward_epilogues() -> bool:
 DEAD_FILLS = EnvChoice("STREAMSCHED_DEAD_FILLS", ("1", "0"), "1")
 SPLIT_UPDATES = EnvChoice("STREAMSCHED_SPLIT_UPDATES", ("1", "0"), "1")
 HEAVY_IN_TURN = EnvChoice("STREAMSCHED_HEAVY_IN_TURN", ("1", "0"), "1")
-CRITICAL_FIRST = EnvChoice("STREAMSCHED_CRITICAL_FIRST", ("1", "0"), "1")
-"""The four scheduling rules' switches (module docstring): `1` (the default, also unset or
-empty) or `0` (off, for comparison).  `streamsched run` and `train()` refuse any other value with
+CRITICAL_FIRST = EnvChoice("STREAMSCHED_CRITICAL_FIRST", ("1", "0"), "0")
+"""The four scheduling rules' switches (module docstring): `1` or `0`; unset or empty is the
+default, `1` (on) for the first three, `0` (off) for critical path first, which measured slower
+(H100, 2026-12-05: 516.2 against 512.8 us at batch 2048, 99.8 against 98.8 at batch 128).  `streamsched run` and `train()` refuse any other value with
 X004 (training/settings.py, `env_choices`); the checker reads such a value as `1`."""
 
 
 def _rule_on(choice: EnvChoice) -> bool:
-    return choice.error(os.environ.get(choice.name)) != "" or choice.get() == "1"
+    """The switch is on: it says `1`, or it is unset, empty or refused (X004, read here as its
+    default) and its default is `1`."""
+    if choice.error(os.environ.get(choice.name)) != "":
+        return choice.default == "1"
+    return choice.get() == "1"
 
 
 def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
@@ -188,7 +195,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
     masks += more
     # (after the epilogues: a clear is dead on the writes that remain, not on those they fold)
     tasks = _dead_fills(schedule, tasks, kernels, KERNELS)
-    tasks = _critical_first(tasks, schedule)
+    if _rule_on(CRITICAL_FIRST):
+        tasks = _critical_first(tasks, schedule)
     tasks = _heavy_in_turn(tasks, schedule)
     # Placed buffers (after plan_memory, as unroll leaves them) are compared by storage segment.
     segs = storage_segments(schedule) if all(b.offset >= 0 for b in schedule.buffers) else None
@@ -280,7 +288,7 @@ def _critical_first(tasks, schedule: Schedule):
     upward rank is larger (module docstring, "Critical path first"); `tasks` itself when none
     moves.  Linear in tasks plus accesses, and nothing but the scan for heavy products when fewer
     than two of them share a unit, step and launch."""
-    if not (_rule_on(CRITICAL_FIRST) and _rule_on(HEAVY_IN_TURN)) or schedule.policy != "auto":
+    if not _rule_on(HEAVY_IN_TURN) or schedule.policy != "auto":
         return tasks
     from streamsched.interp.priority import LAUNCH_US, task_cost_us, task_flops
     from streamsched.stdlib.kernels.collectives import is_collective
