@@ -394,10 +394,14 @@ def test_an_input_gradient_that_the_layer_below_waits_for_is_issued_before_the_w
         dx2, dw2 = (next(t for t in tasks if t.label.endswith(n)) for n in ("h2.dx +relu_grad", "h2.dw"))
         assert (dx2.id, dw2.id) in edges
     assert [t.id for t in c.schedule.tasks] == list(range(len(c.schedule.tasks)))
-    monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", "0")
-    off = compile_file(path)
-    names = [t.label.split("@")[-1] for t in _per_step(off) if "backward@h" in t.label]
-    assert names[:3] == ["h2.dw", "h2.db", "h2.dx +relu_grad"]
+    for value in ("0", None, "yes"):  # off, unset (the default) and refused (read as the default)
+        if value is None:
+            monkeypatch.delenv("STREAMSCHED_CRITICAL_FIRST")
+        else:
+            monkeypatch.setenv("STREAMSCHED_CRITICAL_FIRST", value)
+        off = compile_file(path)
+        names = [t.label.split("@")[-1] for t in _per_step(off) if "backward@h" in t.label]
+        assert names[:3] == ["h2.dw", "h2.db", "h2.dx +relu_grad"], value
 
 
 def test_critical_path_first_trains_the_same_values(tmp_path, monkeypatch):

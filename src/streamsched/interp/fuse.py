@@ -162,16 +162,16 @@ HEAVY_IN_TURN = EnvChoice("STREAMSCHED_HEAVY_IN_TURN", ("1", "0"), "1")
 CRITICAL_FIRST = EnvChoice("STREAMSCHED_CRITICAL_FIRST", ("1", "0"), "0")
 """The four scheduling rules' switches (module docstring): `1` or `0`; unset or empty is the
 default, `1` (on) for the first three, `0` (off) for critical path first, which measured slower
-(H100, 2026-12-05: 516.2 against 512.8 us at batch 2048, 99.8 against 98.8 at batch 128).  `streamsched run` and `train()` refuse any other value with
-X004 (training/settings.py, `env_choices`); the checker reads such a value as `1`."""
+(H100, 2026-12-05: 516.2 against 512.8 us at batch 2048, 99.8 against 98.8 at batch 128).
+`streamsched run` and `train()` refuse any other value with X004 (training/settings.py,
+`env_choices`); the checker reads such a value as the switch's default."""
 
 
 def _rule_on(choice: EnvChoice) -> bool:
     """The switch is on: it says `1`, or it is unset, empty or refused (X004, read here as its
     default) and its default is `1`."""
-    if choice.error(os.environ.get(choice.name)) != "":
-        return choice.default == "1"
-    return choice.get() == "1"
+    refused = choice.error(os.environ.get(choice.name)) != ""
+    return (choice.default if refused else choice.get()) == "1"
 
 
 def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule:
