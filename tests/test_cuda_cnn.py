@@ -105,6 +105,14 @@ CASES = [
     ("batchnorm_stats_update", [_f(5), _pos(5), _f(5), _pos(5)], {"count": 3, "momentum": 0.3},
      False),
     ("batchnorm_infer", [_f(4, 8, 8, 16), _f(16), _f(16), _f(16), _pos(16)], {}, False),
+    ("batchnorm_train_relu", [_f(64, 8, 8, 16, scale=3) + 2, _f(16), _f(16)], {}, False),
+    ("batchnorm_train_relu", [_f(300, 5), _f(5), _f(5)], {"eps": 1e-3}, False),
+    ("batchnorm_train_add_relu", [_f(64, 8, 8, 16, scale=3) + 2, _f(16), _f(16), _f(64, 8, 8, 16)], {}, False),
+    ("batchnorm_train_add_relu", [_f(4, 3, 3, 2, dt=np.float16), _pos(2), _f(2), _f(4, 3, 3, 2, dt=np.float16)], {},
+     False),
+    ("batchnorm_grad_relu", [_f(64, 8, 8, 16), _f(64, 8, 8, 16), _f(64, 8, 8, 16, scale=3) + 2, _f(16),
+                             _f(16, scale=0.1), _pos(16)], {}, False),
+    ("batchnorm_grad_relu", [_f(300, 5), _f(300, 5), _f(300, 5), _f(5), _f(5), _pos(5)], {}, False),
     ("batchnorm_infer", [_f(4, 3, 3, 2, dt=np.float16), _f(2), _f(2), _f(2), _pos(2)], {}, False),
     ("dropout", [_f(4, 8, 8, 16), _s(3, np.int64)], {"p": 0.1, "seed": 7}, False),
     ("dropout", [_f(37, 3), _s(5, np.int32)], {"p": 0.5, "seed": (9 << 32) | 11, "mask": "f32"},
@@ -278,7 +286,9 @@ def test_cuda_twin_is_bitwise_deterministic(cp, ctx, case):
             assert x.tobytes() == y.tobytes(), name
 
 
-_CHANNEL_SUMS = [i for i, c in enumerate(CASES) if c[0] in ("batchnorm_train", "batchnorm_grad", "sum_nhw")]
+_CHANNEL_SUMS = [i for i, c in enumerate(CASES) if c[0] in ("batchnorm_train", "batchnorm_grad", "sum_nhw",
+                                                             "batchnorm_train_relu", "batchnorm_train_add_relu",
+                                                             "batchnorm_grad_relu")]
 
 
 @pytest.mark.parametrize("case", _CHANNEL_SUMS, ids=lambda i: f"{i}-{CASES[i][0]}")

@@ -232,7 +232,9 @@ def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):
 
 
 XENT = [((128, 10), (128,), np.float32), ((1024, 256), (16, 64), np.float32), ((64, 10), (64,), np.float16),
-        ((7, 1000), (7,), np.float64), ((33, 37), (3, 11), np.float32)]
+        ((7, 1000), (7,), np.float64), ((33, 37), (3, 11), np.float32),
+        # one block (loss.XENT_ONE_BLOCK): 4 passes of 1024 lanes and B = 1024; then just past it
+        ((1024, 4), (1024,), np.float32), ((257, 16), (257,), np.float32), ((300, 10), (300,), np.float32)]
 
 
 @pytest.mark.parametrize("shape,lshape,dt", XENT, ids=lambda v: str(v))
@@ -453,3 +455,76 @@ def test_gemm_drelu_matches_the_numpy_twin(cp, ctx, m, p, n):
     np.testing.assert_allclose(cp.asnumpy(out), want[0], rtol=0, atol=1e-5 * max(1.0, float(np.abs(want[0]).max())))
     if (m, p, n) == (2048, 1024, 1024):
         assert _lt_plan(ctx, "s0", dev, [out], "drelu_only", at) is not None
+
+
+BN_SHAPES = [((64, 8, 8, 16), np.float32, np.float32), ((4096, 16), np.float64, np.float64),
+             ((300, 7), np.float32, np.float32), ((16, 4, 4, 48), np.float16, np.float32),
+             ((2, 5), np.float32, np.float64)]
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+@pytest.mark.parametrize("shape,xdt,pdt", BN_SHAPES, ids=str)
+def test_batchnorm_epilogues_are_bitwise_the_unfused_kernels(cp, ctx, monkeypatch, shape, xdt, pdt, cluster):
+    """batchnorm_train_relu, batchnorm_train_add_relu and batchnorm_grad_relu (the fusion pass's
+    batch-norm epilogues) against their parts run as the unfused CUDA kernels one after the other:
+    bitwise, on the cluster kernels (sm_90+, forced at every size) and the one-block-per-channel
+    ones; and within rounding of the NumPy twins."""
+    from streamsched.stdlib.kernels import _cuda as choice
+    from streamsched.stdlib.kernels.elementwise import add_cuda, relu_cuda, relu_grad_cuda
+    from streamsched.stdlib.kernels.normalization import (batchnorm_grad_cuda, batchnorm_grad_relu_cuda,
+                                                          batchnorm_train_add_relu_cuda, batchnorm_train_cuda,
+                                                          batchnorm_train_relu_cuda)
+
+    if cluster:
+        if int(cp.cuda.Device().compute_capability) < 90:
+            pytest.skip("cluster kernels need sm_90")
+        monkeypatch.setattr(choice, "CLUSTER_ROWS", {"batchnorm": 0, "sum_nhw": 0})
+    else:
+        monkeypatch.setattr(choice, "CLUSTER", False)
+    rng = np.random.default_rng(7)
+    c = shape[-1]
+    x = (rng.standard_normal(shape) * 2 + 0.3).astype(xdt)
+    r = rng.standard_normal(shape).astype(xdt)
+    dy = rng.standard_normal(shape).astype(xdt)
+    g, b = rng.standard_normal(c).astype(pdt), rng.standard_normal(c).astype(pdt)
+    X, R, DY, G, B = map(cp.asarray, (x, r, dy, g, b))
+    at = {"eps": 1e-5}
+
+    def outs():
+        return [cp.empty(shape, xdt), cp.empty(c, pdt), cp.empty(c, pdt)]
+
+    plain = outs()
+    batchnorm_train_cuda(ctx, "s0", [X, G, B], plain, at)
+    want_relu, want_res = cp.empty(shape, xdt), cp.empty(shape, xdt)
+    relu_cuda(ctx, "s0", [plain[0]], [want_relu], {})
+    add_cuda(ctx, "s0", [plain[0], R], [want_res], {})
+    relu_cuda(ctx, "s0", [want_res], [want_res], {})
+    got_relu, got_res = outs(), outs()
+    batchnorm_train_relu_cuda(ctx, "s0", [X, G, B], got_relu, at)
+    batchnorm_train_add_relu_cuda(ctx, "s0", [X, G, B, R], got_res, at)
+    gate = want_relu
+    d = cp.empty(shape, xdt)
+    relu_grad_cuda(ctx, "s0", [DY, gate], [d], {})
+    want_g = outs()
+    batchnorm_grad_cuda(ctx, "s0", [d, X, G, plain[1], plain[2]], want_g, {})
+    got_g = outs()
+    batchnorm_grad_relu_cuda(ctx, "s0", [DY, gate, X, G, plain[1], plain[2]], got_g, {})
+    ctx.stream("s0").synchronize()
+    same = cp.asnumpy
+    assert same(got_relu[0]).tobytes() == same(want_relu).tobytes()
+    assert same(got_res[0]).tobytes() == same(want_res).tobytes()
+    for o in (got_relu, got_res):
+        assert same(o[1]).tobytes() == same(plain[1]).tobytes() and same(o[2]).tobytes() == same(plain[2]).tobytes()
+    for u, v in zip(got_g, want_g):
+        assert same(u).tobytes() == same(v).tobytes()
+    assert (same(got_res[0]) >= 0).all() and (same(got_relu[0]) >= 0).all()
+    # and the NumPy twins of the fused records
+    tw = [np.empty(shape, xdt), np.empty(c, pdt), np.empty(c, pdt)]
+    KERNELS["batchnorm_train_add_relu"].cpu([x, g, b, r], tw, at)
+    tol = 2e-3 if xdt == np.float16 else 1e-5
+    np.testing.assert_allclose(same(got_res[0]).astype(np.float64), tw[0].astype(np.float64), rtol=tol, atol=tol * 4)
+    tg = [np.empty(shape, xdt), np.empty(c, pdt), np.empty(c, pdt)]
+    KERNELS["batchnorm_grad_relu"].cpu([dy, same(gate), x, g, same(plain[1]), same(plain[2])], tg, {})
+    for u, v in zip(got_g, tg):
+        np.testing.assert_allclose(same(u).astype(np.float64), v.astype(np.float64), rtol=tol * 10,
+                                   atol=tol * 10 * max(1.0, float(np.abs(v).max())))

@@ -43,7 +43,8 @@ def _recount(schedule) -> int:
     activation gradient next, the bias gradient the first later sum of that, nothing between
     touching what it reads or writes; relu only where the forward relu fused), and a GEMM with
     relu_grad next that the backward epilogues left (the gated product), and a GEMM with its bias
-    add next and no activation after (gemm_bias)."""
+    add next and no activation after (gemm_bias); the batch-norm epilogues (bn + relu, bn + add +
+    relu, relu_grad + the batch-norm gradient) where each intermediate has one reader kind."""
     def sig(t):
         si, so = FUSIBLE[t.kernel]
         at = tuple(sorted((k, v) for k, v in t.attrs if not (t.kernel == "fill" and k in ("shape", "dtype"))))
@@ -122,6 +123,27 @@ def _recount(schedule) -> int:
                 b.site is not None and b.site.placed and b.stream != a.stream):
             continue
         folded += 1
+    # batch-norm epilogues: a batch norm's y read only by one relu (or by one add whose sum only
+    # one relu reads), and a relu gradient read only by one batch-norm gradient as its dy
+    def apart(u, v):
+        return (schedule.policy == "explicit" and u.stream != v.stream) or (
+            v.site is not None and v.site.placed and u.stream != v.stream)
+
+    one = {}
+    for t in tasks:
+        for a in t.args:
+            one.setdefault(a, []).append(t)
+    for a in tasks:
+        if a.kernel == "batchnorm_train" and not a.attr("sync", False):
+            rs = one.get(a.outs[0], [])
+            if readers.get(a.outs[0]) == {"relu"} and all(not apart(a, r) for r in rs):
+                folded += 1
+            elif readers.get(a.outs[0]) == {"add"} and all(readers.get(r.outs[0]) == {"relu"} for r in rs) \
+                    and all(not apart(a, r) for r in rs) and all(not apart(a, q) for r in rs for q in one[r.outs[0]]):
+                folded += 2
+        elif a.kernel == "relu_grad" and readers.get(a.outs[0]) == {"batchnorm_grad"} and \
+                all(r.args[0] == a.outs[0] and not r.attr("sync", False) and not apart(r, a) for r in one[a.outs[0]]):
+            folded += 1
     for t in schedule.tasks:
         if t.id in pairs:
             continue

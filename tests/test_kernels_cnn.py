@@ -45,7 +45,7 @@ def _f(*shape, seed=0):
 def test_every_cnn_kernel_is_registered_complete_and_documented():
     doc = (Path(__file__).parents[1] / "docs" / "kernels.md").read_text()
     family = {name: f.module for f in FAMILIES for name in f.kernels}
-    assert len(CNN_KERNELS) == 26
+    assert len(CNN_KERNELS) == 29
     for name in CNN_KERNELS:
         k = KERNELS[name]
         assert k.name == name and k.doc and k.cpu is not None and not k.host, name
@@ -610,6 +610,10 @@ SAMPLES = {  # a valid float64 call of every kernel here
                                 np.abs(_f(2, seed=3)) + 0.5], {"count": 18}),
     "batchnorm_infer": ([_f(2, 3, 3, 2), _f(2, seed=1), _f(2, seed=2), _f(2, seed=3),
                          np.abs(_f(2, seed=4))], {}),
+    "batchnorm_train_relu": ([_f(2, 3, 3, 2), _f(2, seed=1), _f(2, seed=2)], {}),
+    "batchnorm_train_add_relu": ([_f(2, 3, 3, 2), _f(2, seed=1), _f(2, seed=2), _f(2, 3, 3, 2, seed=3)], {}),
+    "batchnorm_grad_relu": ([_f(2, 3, 3, 2), _f(2, 3, 3, 2, seed=5), _f(2, 3, 3, 2, seed=1), _f(2, seed=2),
+                             _f(2, seed=3), np.abs(_f(2, seed=4)) + 0.5], {}),
     "dropout": ([_f(3, 4), np.array(2, np.int64)], {"p": 0.5, "mask": "f32"}),
     "dropout_grad": ([_f(3, 4), (_f(3, 4, seed=1) > 0).astype(np.float32)], {"p": 0.5}),
     "offset_advance": ([np.array(2, np.int64)], {}),

@@ -160,8 +160,9 @@ DEAD_FILLS = EnvChoice("STREAMSCHED_DEAD_FILLS", ("1", "0"), "1")
 SPLIT_UPDATES = EnvChoice("STREAMSCHED_SPLIT_UPDATES", ("1", "0"), "1")
 HEAVY_IN_TURN = EnvChoice("STREAMSCHED_HEAVY_IN_TURN", ("1", "0"), "1")
 CRITICAL_FIRST = EnvChoice("STREAMSCHED_CRITICAL_FIRST", ("1", "0"), "0")
-"""The four scheduling rules' switches (module docstring): `1` or `0`; unset or empty is the
-default, `1` (on) for the first three, `0` (off) for critical path first, which measured slower
+BN_EPILOGUES = EnvChoice("STREAMSCHED_BN_EPILOGUES", ("1", "0"), "1")
+"""The five rules' switches (module docstring): `1` or `0`; unset or empty is the
+default, `1` (on) for all but critical path first, `0` (off), which measured slower
 (H100, 2026-12-05: 516.2 against 512.8 us at batch 2048, 99.8 against 98.8 at batch 128).
 `streamsched run` and `train()` refuse any other value with X004 (training/settings.py,
 `env_choices`); the checker reads such a value as the switch's default."""
@@ -193,6 +194,8 @@ def fuse_tasks(schedule: Schedule, kernels=None, min_parts: int = 2) -> Schedule
         masks = ()
     tasks, more = _gated_products(tasks, schedule.buffers + masks, kernels, KERNELS, one_stream=explicit)
     masks += more
+    if _rule_on(BN_EPILOGUES):
+        tasks = _bn_epilogues(tasks, schedule.buffers + masks, kernels, KERNELS, one_stream=explicit)
     # (after the epilogues: a clear is dead on the writes that remain, not on those they fold)
     tasks = _dead_fills(schedule, tasks, kernels, KERNELS)
     if _rule_on(CRITICAL_FIRST):
@@ -922,6 +925,140 @@ def _gated_products(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     gone_ids = gone.keys()
     return tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
                  if t.after and not gone_ids.isdisjoint(t.after) else t for t in out), tuple(new.values())
+
+
+_BN_FUSED = ("batchnorm_train", "batchnorm_grad", "relu", "relu_grad", "add", "batchnorm_train_relu",
+             "batchnorm_train_add_relu", "batchnorm_grad_relu")
+
+
+def _bn_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
+    """`tasks` with the batch-norm chains of the module docstring ("Batch norm epilogues") made one
+    task each: `batchnorm_train -> relu` (batchnorm_train_relu), `batchnorm_train -> add -> relu`
+    (batchnorm_train_add_relu), both at the batch norm's place, and `relu_grad -> batchnorm_grad`
+    (batchnorm_grad_relu) at the gradient's place; `tasks` itself when none fuses.  Linear in
+    tasks plus accesses but for the scans between a chain's parts."""
+    if kernels is not None and any(kernels.get(k) is not stdlib.get(k) for k in _BN_FUSED):
+        return tasks
+    if not any(t.kernel in ("batchnorm_train", "batchnorm_grad") for t in tasks):
+        return tasks
+    bufs = {b.name: b for b in buffers}
+    kept = _kept(buffers).__contains__
+    touching = _Touching(buffers)
+    readers, writers = _by_name(tasks, "args"), _by_name(tasks, "outs")
+    at = {t.id: i for i, t in enumerate(tasks)}
+    segs = storage_segments(Schedule((), tuple(buffers), ()))
+    own: dict[str, tuple] = {}
+
+    def seg_of(name: str) -> tuple:
+        got = segs.get(name)
+        return got if got is not None else own.setdefault(name, (("own", name),))
+
+    def touches(t: Task) -> tuple[set, set]:
+        return ({x for a in t.args for x in seg_of(a)}, {x for o in t.outs for x in seg_of(o)})
+
+    def next_touch(name: str, i: int) -> int | None:
+        ks = [at[k] for k in touching.tasks(name, readers) | touching.tasks(name, writers) if at[k] > i]
+        return min(ks, default=None)
+
+    def where(t: Task) -> tuple:
+        return (t.unit, t.step, t.slot, t.launch)
+
+    def like(a: str, b: str) -> bool:
+        ba, bb = bufs.get(a), bufs.get(b)
+        return ba is not None and bb is not None and tuple(ba.shape) == tuple(bb.shape) and ba.dtype == bb.dtype
+
+    def movable(parts, home: Task, lo: int, hi: int) -> bool:
+        """Every part may be issued at `home`'s place: none of the tasks strictly between lo and hi
+        (the parts and home aside) conflicts with it (fuse._passes)."""
+        ids = {u.id for u in parts} | {home.id}
+        between = [tasks[k] for k in range(lo + 1, hi) if tasks[k].id not in ids]
+        w = (home.unit, home.step, home.launch)
+        return all(_passes(u, *touches(u), between, w, touches) for u in parts)
+
+    def placed_elsewhere(u: Task, home: Task) -> bool:
+        return u.stream != home.stream and (one_stream or (u.site is not None and u.site.placed))
+
+    chains: list[tuple] = []  # (lo, hi, home index, fused task, ids of the parts it replaces)
+    busy_until = -1
+    for i, t1 in enumerate(tasks):
+        if i <= busy_until or t1.stream == HOST:
+            continue
+        if t1.kernel == "batchnorm_train" and not t1.attr("sync", False):
+            y = t1.outs[0]
+            j = next_touch(y, i)
+            if j is None or kept(y):
+                continue
+            t2 = tasks[j]
+            if where(t2) != where(t1) or t2.stream == HOST or placed_elsewhere(t2, t1):
+                continue
+            if t2.kernel == "relu" and t2.args == (y,) and like(t2.outs[0], y):
+                parts, res, kernel, inter = (t2,), (), "batchnorm_train_relu", [(y, j)]
+            elif t2.kernel == "add" and len(t2.args) == 2 and t2.args.count(y) == 1 and like(t2.outs[0], y) \
+                    and like(t2.args[0], t2.args[1]):
+                s_ = t2.outs[0]
+                k = next_touch(s_, j)
+                if k is None or kept(s_):
+                    continue
+                t3 = tasks[k]
+                if t3.kernel != "relu" or t3.args != (s_,) or where(t3) != where(t1) or t3.stream == HOST \
+                        or placed_elsewhere(t3, t1) or not like(t3.outs[0], y):
+                    continue
+                parts = (t2, t3)
+                res = (t2.args[1] if t2.args[0] == y else t2.args[0],)
+                kernel, inter = "batchnorm_train_add_relu", [(y, j), (s_, k)]
+            else:
+                continue
+            out = parts[-1].outs[0]
+            ins = t1.args + res
+            if not all(_apart(bufs, out, a) for a in ins + (y,) + t1.outs[1:]) or \
+                    not all(_apart(bufs, r_, y) for r_ in res):
+                continue
+            if not all(_dead_after(n, k_, bufs, touching, readers, writers, at) for n, k_ in inter):
+                continue
+            hi = at[parts[-1].id]
+            if not movable(parts, t1, i, hi):
+                continue
+            every = (t1,) + parts
+            fused = evolve(t1, kernel=kernel, args=ins, outs=(out,) + t1.outs[1:],
+                           attrs=tuple((a, v) for a, v in t1.attrs if a == "eps"),
+                           after=tuple(a for a in dict.fromkeys(sum((u.after for u in every), ()))
+                                       if a not in {u.id for u in every}),
+                           key="fuse(" + "|".join(u.key for u in every) + ")",
+                           label=f"{t1.label} +{'add+' if res else ''}relu" if t1.label else t1.label)
+            chains.append((i, hi, i, fused, {u.id for u in parts}))
+            busy_until = hi
+        elif t1.kernel == "relu_grad" and len(t1.args) == 2:
+            d = t1.outs[0]
+            j = next_touch(d, i)
+            if j is None or kept(d):
+                continue
+            t2 = tasks[j]
+            if t2.kernel != "batchnorm_grad" or t2.attr("sync", False) or t2.args[0] != d or d in t2.args[1:] \
+                    or where(t2) != where(t1) or t2.stream == HOST or placed_elsewhere(t1, t2):
+                continue
+            if not (like(t1.args[0], d) and like(t1.args[1], d)):
+                continue
+            ins = t1.args + t2.args[1:]
+            if not all(_apart(bufs, o, a) for o in t2.outs for a in ins + (d,)):
+                continue
+            if not _dead_after(d, j, bufs, touching, readers, writers, at) or not movable((t1,), t2, i, j):
+                continue
+            fused = evolve(t2, kernel="batchnorm_grad_relu", args=ins, attrs=(),
+                           after=tuple(a for a in dict.fromkeys(t1.after + t2.after) if a not in (t1.id, t2.id)),
+                           key=f"fuse({t1.key}|{t2.key})",
+                           label=f"{t2.label} +relu_grad" if t2.label else t2.label)
+            chains.append((i, j, j, fused, {t1.id}))
+            busy_until = j
+    if not chains:
+        return tasks
+    home = {h: f for _, _, h, f, _ in chains}
+    gone: dict[int, int] = {}
+    for _, _, h, f, ids in chains:
+        for x in ids:
+            gone[x] = f.id
+    out = [home.get(k, t) for k, t in enumerate(tasks) if t.id not in gone]
+    return tuple(evolve(t, after=tuple(dict.fromkeys(gone.get(a, a) for a in t.after)))
+                 if t.after and not gone.keys().isdisjoint(t.after) else t for t in out)
 
 
 def _relu_masks(ys, bufs, buffers) -> dict[str, Buffer]:

@@ -94,6 +94,16 @@ H2D_KERNEL_MAX = 1 << 20
 """Host-to-device copies up to this many bytes run as a zero-copy kernel (`DeviceContext.h2d`)."""
 
 
+H2D_BLOCKS = 64
+"""At most this many 256-thread blocks read a zero-copy upload (a grid-stride loop)."""
+H2D_BYTES_PER_BLOCK = 100 * 1024
+"""A zero-copy upload takes one 256-thread block per this many bytes (at least one, at most
+H2D_BLOCKS).  The upload of the next batch runs beside the step's first GEMMs, and its blocks
+take their multiprocessors: on the H100 (2026-12-05) the batch-128 MLP step (a 401 KB upload)
+took 101.3 us with 64 blocks, 97.7-98.4 with 4 or 2, and 130 with 1, where the upload no longer
+kept up with the step (benchmarks/results/h200.json `session20_h100.h2d_blocks`)."""
+
+
 def _h2d_kernel_max() -> int:
     v = os.environ.get("STREAMSCHED_H2D_KERNEL_MAX")
     try:
@@ -483,7 +493,7 @@ class DeviceContext:
         fn = self._h2d_fn
         if fn is None:
             fn = self._h2d_fn = self.cp.RawKernel(_H2D_SOURCE, "ss_h2d")
-        blocks = max(1, min(64, (n // 16 + 255) // 256))
+        blocks = max(1, min(H2D_BLOCKS, -(-n // H2D_BYTES_PER_BLOCK), (n // 16 + 255) // 256))
         with self.stream(stream):
             fn((blocks,), (256,), (np.uint64(_ptr(src)), dst, np.int64(n)))
 

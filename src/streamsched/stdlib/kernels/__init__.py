@@ -9,6 +9,7 @@ and its row of docs/kernels.md (`DocRow`).
     conv             conv2d conv2d_grad_x conv2d_grad_w sum_nhw
     pooling          maxpool2d avgpool2d global_avgpool and their *_grad
     normalization    batchnorm_train batchnorm_grad batchnorm_stats_update batchnorm_infer
+                     batchnorm_train_relu batchnorm_train_add_relu batchnorm_grad_relu
     dropout          dropout dropout_grad offset_advance (Philox-4x32-10: philox4x32_10, dropout_bits)
     loss             softmax_xent softmax_xent_grad
     optimizers       sgd_step adam_step increment lars_step ema_update amp_sgd_step amp_lars_step
@@ -78,7 +79,7 @@ CNN_KERNELS: tuple[str, ...] = (
     "avgpool2d_grad", "global_avgpool", "global_avgpool_grad", "batchnorm_train", "batchnorm_grad",
     "batchnorm_stats_update", "batchnorm_infer", "dropout", "dropout_grad", "offset_advance", "lars_step",
     "ema_update", "cast", "scale_loss", "unscale_check", "update_scale", "nonfinite_check", "amp_sgd_step",
-    "amp_lars_step")
+    "amp_lars_step", "batchnorm_train_relu", "batchnorm_train_add_relu", "batchnorm_grad_relu")
 """The kernels the seed's CNN step added (convolution, pooling, batch norm, dropout, LARS, EMA,
 mixed precision), in the order they were added: tests/test_kernels_cnn.py checks these,
 tests/test_kernels.py the others."""

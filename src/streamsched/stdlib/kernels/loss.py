@@ -126,7 +126,8 @@ softmax_xent_grad(dloss, logits, labels), each row's softmax computed once.  Mad
 pass where the gradient task follows the loss task on one stream (`--no-fuse` keeps them apart),
 never written.  dloss: [] float device scalar (1, or the loss scale), read when the kernel runs
 (it must not be the loss itself).  CPU: the two NumPy twins in order (bitwise the unfused pair);
-CUDA: one kernel writes each row's loss and its gradient row, one block takes the mean.
+CUDA: one kernel writes each row's loss and its gradient row, one block takes the mean (for up
+to 1024 rows of at most 4096 lanes, one block does both).
 """, inplace=False,
           row=DocRow("logits [n,c], labels [n] or [b,t], dloss [] -> loss [], dlogits [n,c]", "comp1",
                      "softmax_xent and softmax_xent_grad from one softmax per row (made by the fusion pass)"))
@@ -227,6 +228,58 @@ extern "C" __global__ void ss_xent_fwdbwd(const T_t* logits, const L_t* labels, 
         if (j == y) p -= (A_t)1;
         drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
     }
+}
+
+// The pair in one block where the rows are few (softmax_xent_fused, XENT_ONE_BLOCK): the groups
+// of g lanes take rows i, i + blockDim/g, ... (each row's statistics, loss and gradient row
+// computed exactly as ss_xent_fwdbwd does), the row losses go to shared memory, and threads
+// t < B (B: ss_xent_mean's block, a power of two >= 32) then add them exactly as ss_xent_mean
+// does.  Bitwise the two kernels, in one launch: the backward that waits for dlogits no longer
+// waits for a second kernel too.  n <= 1024; blockDim a multiple of g and of 32, >= B.
+extern "C" __global__ void ss_xent_fused1(const T_t* logits, const L_t* labels, const D_t* dloss,
+                                          T_t* dlogits, D_t* loss, int n, int c, int g, int lg,
+                                          int B) {
+    __shared__ double rl[1024];
+    __shared__ double part[1024];
+    int t = threadIdx.x;
+    int sub = t & (g - 1);
+    int per = blockDim.x >> lg;
+    A_t scale = (A_t)dloss[0] / (A_t)n;
+    for (int base = 0; base < n; base += per) {
+        long long i = base + (t >> lg);
+        bool ok = i < n;
+        long long y = ok ? (long long)labels[i] : 0;
+        const T_t* row = logits + (ok ? i : 0) * (long long)c;
+        A_t mx, lse;
+        ss_row_stats(row, c, sub, g, ok, mx, lse);
+        if (ok) {
+            bool bad = y < 0 || y >= c;
+            if (sub == 0) rl[i] = bad ? (double)CUDART_NAN : (double)(lse - ((A_t)row[y] - mx));
+            T_t* drow = dlogits + i * (long long)c;
+            for (int j = sub; j < c; j += g) {
+                A_t p = ss_exp((A_t)row[j] - mx - lse);
+                if (j == y) p -= (A_t)1;
+                drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
+            }
+        }
+    }
+    __syncthreads();
+    if (t < B) {
+        double acc = 0.0;
+        int i = t;
+        for (; i + 3 * B < n; i += 4 * B) {
+            double a0 = rl[i], a1 = rl[i + B], a2 = rl[i + 2 * B], a3 = rl[i + 3 * B];
+            acc += a0; acc += a1; acc += a2; acc += a3;
+        }
+        for (; i < n; i += B) acc += rl[i];
+        part[t] = acc;
+    }
+    __syncthreads();
+    for (int s = B >> 1; s > 0; s >>= 1) {
+        if (t < s) part[t] += part[t + s];
+        __syncthreads();
+    }
+    if (t == 0) loss[0] = (D_t)(A_t)(part[0] / n);
 }
 
 // dlogits = dloss * (softmax(z) - onehot(label)) / n; g lanes per row, softmax recomputed.
@@ -356,10 +409,17 @@ def softmax_xent_grad_cuda(ctx, stream, ins, outs, attrs):
           (dloss, logits, labels, outs[0], np.int32(n), np.int32(c), np.int32(g), np.int32(lg)))
 
 
+XENT_ONE_BLOCK = 4096
+"""softmax_xent_fused runs as one block (ss_xent_fused1) when its rows take at most this many
+lanes (n * g, g lanes per row) and n <= 1024: at most four passes of a 1024-thread block, cheaper
+than a second launch the backward would wait for (batch 128 of 10 classes: 2048 lanes)."""
+
+
 def softmax_xent_fused_cuda(ctx, stream, ins, outs, attrs):
-    """Two kernels for the pair: ss_xent_fwdbwd (each row's loss into scratch and its gradient
-    row), then ss_xent_mean; the unfused twins one after the other when the loss and dloss
-    dtypes differ."""
+    """One block for few rows (ss_xent_fused1, XENT_ONE_BLOCK); else two kernels for the pair:
+    ss_xent_fwdbwd (each row's loss into scratch and its gradient row), then ss_xent_mean; the
+    unfused twins one after the other when the loss and dloss dtypes differ.  All three are
+    bitwise the same."""
     import numpy as np
 
     logits, labels, dloss = ins
@@ -369,12 +429,19 @@ def softmax_xent_fused_cuda(ctx, stream, ins, outs, attrs):
         softmax_xent_grad_cuda(ctx, stream, [dloss, logits, labels], [dlogits], attrs)
         return
     n, c = logits.shape
-    f = _function("xent", logits.dtype, labels.dtype, "ss_xent_fwdbwd", out.dtype)
-    mean_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_mean", out.dtype)
     g, lg = _row_group(c)
-    rows = _xent_rows(out, n, _cupy_stream(ctx, stream))
     threads = n * g
     fin = min(1024, max(32, _pow2_at_least(n)))
+    if n <= 1024 and threads <= XENT_ONE_BLOCK:
+        f1 = _function("xent", logits.dtype, labels.dtype, "ss_xent_fused1", out.dtype)
+        block = max(fin, min(1024, -(-threads // 32) * 32))
+        with _stream(ctx, stream):
+            f1((1,), (block,), (logits, labels, dloss, dlogits, out, np.int32(n), np.int32(c), np.int32(g),
+                                np.int32(lg), np.int32(fin)))
+        return
+    f = _function("xent", logits.dtype, labels.dtype, "ss_xent_fwdbwd", out.dtype)
+    mean_fn = _function("xent", logits.dtype, labels.dtype, "ss_xent_mean", out.dtype)
+    rows = _xent_rows(out, n, _cupy_stream(ctx, stream))
     with _stream(ctx, stream):
         f(((threads + 127) // 128,), (128,),
           (logits, labels, dloss, rows, dlogits, np.int32(n), np.int32(c), np.int32(g), np.int32(lg)))

@@ -144,6 +144,72 @@ dgamma / m in dx are the global batch's (means over the ranks); dgamma, dbeta st
                      "- xhat dgamma/m)"))
 
 
+# -- fused by the pass (fuse.py, "Batch norm epilogues"), never written: each is its parts in order
+
+
+def _bn_train_relu_infer(k, names, t, at):
+    out = _bn_train_infer(k, names[:3], t[:3], at)
+    if len(t) > 3:
+        if t[3] != t[0]:
+            raise KernelTypeError(f"{k}: {names[3]} must be x's type {_fmt(t[0][0])} {t[0][1]}, got "
+                                  f"{_fmt(t[3][0])} {t[3][1]}", arg=3)
+    return out
+
+
+def _bn_train_relu_cpu(ins, outs, at):
+    y = np.empty_like(outs[0])
+    _bn_train_cpu(list(ins[:3]), [y, outs[1], outs[2]], at)
+    if len(ins) > 3:
+        y = (y + ins[3]).astype(y.dtype, copy=False)
+    _write(outs[0], np.maximum(y, 0))
+
+
+def _bn_grad_relu_infer(k, names, t, at):
+    _same_shape(k, t, names, (0, 1))
+    return _bn_grad_infer(k, (names[0],) + tuple(names[2:]), [t[0]] + list(t[2:]), at)
+
+
+def _bn_grad_relu_cpu(ins, outs, at):
+    dy, gate = ins[:2]
+    d = np.where(gate > 0, dy, 0).astype(dy.dtype, copy=False)
+    _bn_grad_cpu([d] + list(ins[2:]), outs, at)
+
+
+_register("batchnorm_train_relu", "x gamma beta", "y mean invstd", _bn_train_relu_infer, _bn_train_relu_cpu,
+          {"eps": 1e-5}, doc="""
+batchnorm_train then relu of its y in one task: y = max(batchnorm_train(x, gamma, beta).y, 0),
+mean and invstd as batchnorm_train's.  Made by the fusion pass where relu is the only reader of
+the batch norm's y (`--no-fuse` keeps them apart), never written.  CPU: the two NumPy twins in
+order (bitwise the unfused pair); CUDA: relu in the batch-norm kernel's stores, bitwise the two
+kernels.
+""", inplace=False,
+          row=DocRow("x [..., c], gamma [c], beta [c] -> y, mean [c], invstd [c]", "comp2",
+                     "relu(batchnorm_train(x)) in one kernel (made by the fusion pass)"))
+
+_register("batchnorm_train_add_relu", "x gamma beta r", "y mean invstd", _bn_train_relu_infer, _bn_train_relu_cpu,
+          {"eps": 1e-5}, doc="""
+batchnorm_train, then add of r (a residual, x's type and shape), then relu, in one task:
+y = max(batchnorm_train(x, gamma, beta).y + r, 0), the sum rounded to x's dtype as add does;
+mean and invstd as batchnorm_train's.  Made by the fusion pass where the add and then the relu
+are the only readers of each intermediate (`--no-fuse` keeps them apart), never written.  CPU:
+the three NumPy twins in order (bitwise the unfused tasks); CUDA: the add and relu in the
+batch-norm kernel's stores, bitwise the three kernels.
+""", inplace=False,
+          row=DocRow("x [..., c], gamma [c], beta [c], r [..., c] -> y, mean [c], invstd [c]", "comp2",
+                     "relu(batchnorm_train(x) + r) in one kernel (made by the fusion pass)"))
+
+_register("batchnorm_grad_relu", "dy y x gamma mean invstd", "dx dgamma dbeta", _bn_grad_relu_infer,
+          _bn_grad_relu_cpu, {}, doc="""
+relu_grad then batchnorm_grad in one task: batchnorm_grad(relu_grad(dy, y), x, gamma, mean,
+invstd), where y is the relu's output (or input: the sign test is the same).  Made by the fusion
+pass where batchnorm_grad is the only reader of the relu gradient (`--no-fuse` keeps them
+apart), never written.  CPU: the two NumPy twins in order (bitwise the unfused pair); CUDA: the
+batch-norm gradient kernel reads dy through relu_grad's rule, bitwise the two kernels.
+""", inplace=False,
+          row=DocRow("dy, y, x, gamma, mean, invstd -> dx, dgamma, dbeta", "comp2",
+                     "batchnorm_grad(relu_grad(dy, y), ...) in one kernel (made by the fusion pass)"))
+
+
 def _bn_stats_infer(k, names, t, at):
     _number(k, at, "momentum", lo=0.0, hi=1.0)
     _number(k, at, "eps", lo=0.0)
@@ -214,12 +280,43 @@ one float dtype -> y: x's type.
 # CuPy is imported inside them only; the calling convention and capture rules are in _cuda.py.
 
 
+_BN_EPI = r"""
+// The fused epilogues (fuse.py: batchnorm_train_relu, batchnorm_train_add_relu,
+// batchnorm_grad_relu).  A forward output is rounded to X_t first, then res is added in X_t's
+// arithmetic (as the add kernel does), then relu (y < 0 ? 0 : y, as the relu kernel): bitwise the
+// unfused kernels.  A backward dy is read as relu_grad's rule gives it: dy where gate > 0, else 0.
+__device__ __forceinline__ A_t ss_rnd(const float*, A_t v) { return (A_t)(float)v; }
+__device__ __forceinline__ A_t ss_rnd(const double*, A_t v) { return (A_t)(double)v; }
+__device__ __forceinline__ A_t ss_addx(const float*, A_t a, A_t b) { return (A_t)((float)a + (float)b); }
+__device__ __forceinline__ A_t ss_addx(const double*, A_t a, A_t b) { return (A_t)((double)a + (double)b); }
+#ifdef SS_HALF
+__device__ __forceinline__ A_t ss_rnd(const __half*, A_t v) { __half h; ss_put(&h, v); return SS_LD(h); }
+__device__ __forceinline__ A_t ss_addx(const __half*, A_t a, A_t b) {
+    __half h; ss_put(&h, (float)a + (float)b); return SS_LD(h);
+}
+#endif
+__device__ __forceinline__ void ss_bn_put(X_t* y, const X_t* res, int relu, long long i, A_t v) {
+    if (res != nullptr || relu) {
+        v = ss_rnd(y, v);
+        if (res != nullptr) v = ss_addx(y, v, SS_LD(res[i]));
+        if (relu && v < (A_t)0) v = (A_t)0;
+    }
+    ss_put(y + i, v);
+}
+__device__ __forceinline__ A_t ss_bn_dy(const X_t* dy, const X_t* gate, long long i) {
+    A_t d = SS_LD(dy[i]);
+    return (gate != nullptr && !(SS_LD(gate[i]) > (A_t)0)) ? (A_t)0 : d;
+}
+"""
+
+
 # Batch norm over x [m, c] (channels last): one block of SS_B threads per channel.  Parameters
 # are read before the first barrier and the [c] outputs written by thread 0 after it; every
 # element of x/dy is read and then written (y, dx) by the same thread: in place is safe.
-_CNN_SRC["bn"] = r"""
+_CNN_SRC["bn"] = _BN_EPI + r"""
 extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y,
-                                       P_t* mean, P_t* invstd, long long m, int c, double eps) {
+                                       P_t* mean, P_t* invstd, long long m, int c, double eps,
+                                       const X_t* res, int relu) {
     __shared__ double sh[SS_B];
     int ch = blockIdx.x, t = threadIdx.x;
     A_t g = SS_LD(gamma[ch]), bt = SS_LD(beta[ch]);
@@ -239,20 +336,20 @@ extern "C" __global__ void ss_bn_train(const X_t* x, const P_t* gamma, const P_t
     for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
         A_t d = SS_LD(x[i]) - mu;
-        ss_put(y + i, d * inv * g + bt);
+        ss_bn_put(y, res, relu, i, d * inv * g + bt);
     }
 }
 
 extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* gamma,
                                       const P_t* mean, const P_t* invstd, X_t* dx, P_t* dgamma,
-                                      P_t* dbeta, long long m, int c) {
+                                      P_t* dbeta, long long m, int c, const X_t* gate) {
     __shared__ double sh[SS_B];
     int ch = blockIdx.x, t = threadIdx.x;
     A_t g = SS_LD(gamma[ch]), mu = SS_LD(mean[ch]), inv = SS_LD(invstd[ch]);
     double sb = 0.0, sg = 0.0;
     for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
-        A_t d = SS_LD(dy[i]);
+        A_t d = ss_bn_dy(dy, gate, i);
         A_t xh = (SS_LD(x[i]) - mu) * inv;
         sb += (double)d;
         sg += (double)(d * xh);
@@ -265,7 +362,7 @@ extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* ga
     A_t k1 = db / am, k2 = dg / am, sc = inv * g;
     for (long long r = t; r < m; r += SS_B) {
         long long i = r * c + ch;
-        A_t d = SS_LD(dy[i]);
+        A_t d = ss_bn_dy(dy, gate, i);
         A_t xh = (SS_LD(x[i]) - mu) * inv;
         ss_put(dx + i, (d - k1 - xh * k2) * sc);
     }
@@ -277,10 +374,10 @@ extern "C" __global__ void ss_bn_grad(const X_t* dy, const X_t* x, const P_t* ga
 # _CLUSTER_PRE (layout, sums and their order described there), two passes over rows kept in
 # registers (forward: the mean, then the variance about it; backward: dbeta and dgamma
 # together), then y / dx.  Chosen by _cluster_tile (CLUSTER, CLUSTER_ROWS).
-_CNN_SRC["bncl"] = _CLUSTER_PRE + r"""
+_CNN_SRC["bncl"] = _CLUSTER_PRE + _BN_EPI + r"""
 extern "C" __global__ void __cluster_dims__(SS_K, 1, 1) __launch_bounds__(SS_T)
 ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mean, P_t* invstd,
-               long long m, int c, int w, double eps) {
+               long long m, int c, int w, double eps, const X_t* res, int relu) {
     __shared__ double sh[1024];
     __shared__ double cl[2][32], tot[2][32];
     SS_CL_HEAD
@@ -338,19 +435,19 @@ ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mea
 #pragma unroll
         for (int u = 0; u < SS_U; ++u) {
             long long rr = r0 + u * step;
-            if (rr < m) ss_put(y + rr * c + ch, (keep[u] - mu) * inv * g + bt);
+            if (rr < m) ss_bn_put(y, res, relu, rr * c + ch, (keep[u] - mu) * inv * g + bt);
         }
         for (r = r0 + big; r + big - step < m; r += big) {
             A_t a[SS_U];
 #pragma unroll
             for (int u = 0; u < SS_U; ++u) a[u] = SS_LD(x[(r + u * step) * c + ch]);
 #pragma unroll
-            for (int u = 0; u < SS_U; ++u) ss_put(y + (r + u * step) * c + ch, (a[u] - mu) * inv * g + bt);
+            for (int u = 0; u < SS_U; ++u) ss_bn_put(y, res, relu, (r + u * step) * c + ch, (a[u] - mu) * inv * g + bt);
         }
         for (; r < m; r += step) {
             long long i = r * c + ch;
             A_t d = SS_LD(x[i]) - mu;
-            ss_put(y + i, d * inv * g + bt);
+            ss_bn_put(y, res, relu, i, d * inv * g + bt);
         }
     }
     ss_cl_wait();
@@ -358,7 +455,7 @@ ss_bn_train_cl(const X_t* x, const P_t* gamma, const P_t* beta, X_t* y, P_t* mea
 
 extern "C" __global__ void __cluster_dims__(SS_K, 1, 1) __launch_bounds__(SS_T)
 ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, const P_t* invstd,
-              X_t* dx, P_t* dgamma, P_t* dbeta, long long m, int c, int w) {
+              X_t* dx, P_t* dgamma, P_t* dbeta, long long m, int c, int w, const X_t* gate) {
     __shared__ double sh[2048];
     __shared__ double cl[64], tot[64];
     SS_CL_HEAD
@@ -370,7 +467,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
     for (int u = 0; u < SS_U; ++u) {
         long long r = r0 + u * step;
         bool ok = on && r < m;
-        kd[u] = ok ? SS_LD(dy[r * c + ch]) : (A_t)0;
+        kd[u] = ok ? ss_bn_dy(dy, gate, r * c + ch) : (A_t)0;
         kx[u] = ok ? (SS_LD(x[r * c + ch]) - mu) * inv : (A_t)0;
     }
 #pragma unroll
@@ -385,7 +482,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
 #pragma unroll
             for (int u = 0; u < SS_U; ++u) {
                 long long i = (r + u * step) * c + ch;
-                d[u] = SS_LD(dy[i]);
+                d[u] = ss_bn_dy(dy, gate, i);
                 xh[u] = SS_LD(x[i]);
             }
 #pragma unroll
@@ -397,7 +494,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
         }
         for (; r < m; r += step) {
             long long i = r * c + ch;
-            A_t d = SS_LD(dy[i]);
+            A_t d = ss_bn_dy(dy, gate, i);
             A_t xh = (SS_LD(x[i]) - mu) * inv;
             v[0] += (double)d;
             v[1] += (double)(d * xh);
@@ -420,7 +517,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
 #pragma unroll
             for (int u = 0; u < SS_U; ++u) {
                 long long i = (r + u * step) * c + ch;
-                d[u] = SS_LD(dy[i]);
+                d[u] = ss_bn_dy(dy, gate, i);
                 xh[u] = SS_LD(x[i]);
             }
 #pragma unroll
@@ -431,7 +528,7 @@ ss_bn_grad_cl(const X_t* dy, const X_t* x, const P_t* gamma, const P_t* mean, co
         }
         for (; r < m; r += step) {
             long long i = r * c + ch;
-            A_t d = SS_LD(dy[i]);
+            A_t d = ss_bn_dy(dy, gate, i);
             A_t xh = (SS_LD(x[i]) - mu) * inv;
             ss_put(dx + i, (d - k1 - xh * k2) * sc);
         }
@@ -488,45 +585,71 @@ def _no_sync_on_gpu(k, attrs):
 
 
 def batchnorm_train_cuda(ctx, stream, ins, outs, attrs):
+    _bn_train(ctx, stream, ins, outs, attrs)
+
+
+def _bn_train(ctx, stream, ins, outs, attrs, res=None, relu: bool = False) -> None:
+    """batchnorm_train on the device; with `res` and/or `relu` (the fused batchnorm_train_relu and
+    batchnorm_train_add_relu), y = relu(y + res) in the same kernel's stores (_BN_EPI)."""
     import numpy as np
 
     _no_sync_on_gpu("batchnorm_train", attrs)
 
     x, gamma, beta = ins
     y, mean, invstd = outs
-    _contiguous("batchnorm_train", list(ins) + list(outs))
+    _contiguous("batchnorm_train", list(ins) + list(outs) + ([res] if res is not None else []))
     c = int(x.shape[-1])
+    acc = _acc_of(x.dtype, gamma.dtype)
+    epi = (res if res is not None else np.uint64(0), np.int32(1 if relu else 0))
+    head = (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c))
+    eps = np.float64(attrs.get("eps", 1e-5))
     w = _cluster_tile(x)
     if w is not None:
-        acc = _acc_of(x.dtype, gamma.dtype)
         f = _cnn_fn("bncl", "ss_bn_train_cl", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
-        _go_cluster(ctx, stream, f, c, w, acc, (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
-                                           np.int32(w), np.float64(attrs.get("eps", 1e-5))))
+        _go_cluster(ctx, stream, f, c, w, acc, head + (np.int32(w), eps) + epi)
         return
-    f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
-    _go(ctx, stream, f, (c,), (x, gamma, beta, y, mean, invstd, np.int64(x.size // c), np.int32(c),
-                               np.float64(attrs.get("eps", 1e-5))))
+    f = _cnn_fn("bn", "ss_bn_train", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
+    _go(ctx, stream, f, (c,), head + (eps,) + epi)
 
 
 def batchnorm_grad_cuda(ctx, stream, ins, outs, attrs):
+    _bn_grad(ctx, stream, ins, outs, attrs)
+
+
+def _bn_grad(ctx, stream, ins, outs, attrs, gate=None) -> None:
+    """batchnorm_grad on the device; with `gate` (the fused batchnorm_grad_relu), of dy where
+    gate > 0, else 0 (relu_grad's rule) as the kernel reads dy (_BN_EPI)."""
     import numpy as np
 
     _no_sync_on_gpu("batchnorm_grad", attrs)
 
     dy, x, gamma, mean, invstd = ins
     dx, dgamma, dbeta = outs
-    _contiguous("batchnorm_grad", list(ins) + list(outs))
+    _contiguous("batchnorm_grad", list(ins) + list(outs) + ([gate] if gate is not None else []))
     c = int(x.shape[-1])
+    acc = _acc_of(x.dtype, gamma.dtype)
+    head = (dy, x, gamma, mean, invstd, dx, dgamma, dbeta, np.int64(x.size // c), np.int32(c))
+    g = (gate if gate is not None else np.uint64(0),)
     w = _cluster_tile(x)
     if w is not None:
-        acc = _acc_of(x.dtype, gamma.dtype)
         f = _cnn_fn("bncl", "ss_bn_grad_cl", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
-        _go_cluster(ctx, stream, f, c, w, acc, (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
-                                           np.int64(x.size // c), np.int32(c), np.int32(w)))
+        _go_cluster(ctx, stream, f, c, w, acc, head + (np.int32(w),) + g)
         return
-    f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=_acc_of(x.dtype, gamma.dtype))
-    _go(ctx, stream, f, (c,), (dy, x, gamma, mean, invstd, dx, dgamma, dbeta,
-                               np.int64(x.size // c), np.int32(c)))
+    f = _cnn_fn("bn", "ss_bn_grad", X_t=x.dtype, P_t=gamma.dtype, A_t=acc)
+    _go(ctx, stream, f, (c,), head + g)
+
+
+def batchnorm_train_relu_cuda(ctx, stream, ins, outs, attrs):
+    _bn_train(ctx, stream, ins, outs, attrs, relu=True)
+
+
+def batchnorm_train_add_relu_cuda(ctx, stream, ins, outs, attrs):
+    _bn_train(ctx, stream, ins[:3], outs, attrs, res=ins[3], relu=True)
+
+
+def batchnorm_grad_relu_cuda(ctx, stream, ins, outs, attrs):
+    dy, gate = ins[:2]
+    _bn_grad(ctx, stream, [dy] + list(ins[2:]), outs, attrs, gate=gate)
 
 
 def batchnorm_stats_update_cuda(ctx, stream, ins, outs, attrs):
