@@ -1102,15 +1102,15 @@ def ss_variant(path: str, capture: str, spec: dict, init: dict, args, replay_onl
 
 # -- the run -----------------------------------------------------------------------------------
 
-EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln", "_crit")
+EXTRAS = ("_nozero", "_nofuse", "_prio", "_noprio", "_noskinny", "_smalln", "_crit", "_nobnepi")
 """The suffixed ss_step_five variants (--extras): gradients not cleared, fusion off, and EXTRA_ENV's."""
 
 EXTRA_ENV = {"_prio": {"STREAMSCHED_PRIORITIES": "slack"}, "_noprio": {"STREAMSCHED_PRIORITIES": "off"},
              "_noskinny": {"STREAMSCHED_SKINNY_GEMM": "0"}, "_smalln": {"STREAMSCHED_SKINNY_GEMM": "all"},
-             "_crit": {"STREAMSCHED_CRITICAL_FIRST": "1"}}
+             "_crit": {"STREAMSCHED_CRITICAL_FIRST": "1"}, "_nobnepi": {"STREAMSCHED_BN_EPILOGUES": "0"}}
 """Variants that differ from ss_step_five by one environment setting: critical-path priorities
 on / off (interp/priority.py; the one that is not the default runs), the skinny GEMMs off and
-with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`), and fuse.py's "Critical path first" turned on (off by default)."""
+with the small-n kernel too (stdlib/kernels/_cuda.py `_skinny_gemm`), fuse.py's "Critical path first" turned on (off by default), and its batch-norm epilogues turned off."""
 
 
 def extra_differs(extra: str) -> bool:

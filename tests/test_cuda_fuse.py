@@ -233,8 +233,30 @@ def test_a_captured_fused_step_has_no_memory_nodes_and_replays(cp):
 
 XENT = [((128, 10), (128,), np.float32), ((1024, 256), (16, 64), np.float32), ((64, 10), (64,), np.float16),
         ((7, 1000), (7,), np.float64), ((33, 37), (3, 11), np.float32),
-        # one block (loss.XENT_ONE_BLOCK): 4 passes of 1024 lanes and B = 1024; then just past it
-        ((1024, 4), (1024,), np.float32), ((257, 16), (257,), np.float32), ((300, 10), (300,), np.float32)]
+        # one block (loss.XENT_ONE_BLOCK): 1024 lanes in one pass; then just past it
+        ((64, 10), (64,), np.float32), ((256, 4), (256,), np.float32), ((1024, 4), (1024,), np.float32),
+        ((65, 16), (65,), np.float32), ((300, 10), (300,), np.float32)]
+
+
+@pytest.mark.parametrize("lanes", [1024, 4096])
+def test_softmax_xent_fused_in_one_block_is_bitwise_the_two_kernels(cp, ctx, monkeypatch, lanes):
+    """ss_xent_fused1 (one block, several passes where the rows take more lanes than a block has
+    threads) against ss_xent_fwdbwd + ss_xent_mean: bitwise, loss and dlogits."""
+    from streamsched.stdlib.kernels import loss as L
+
+    rng = np.random.default_rng(5)
+    for shape in ((128, 10), (33, 37), (1000, 4), (7, 1000)):
+        logits = cp.asarray((rng.standard_normal(shape) * 3).astype(np.float32))
+        labels = cp.asarray(rng.integers(0, shape[1], shape[0]).astype(np.int32))
+        dloss = cp.asarray(np.array(0.5, np.float32))
+        got = []
+        for one in (lanes, 0):
+            monkeypatch.setattr(L, "XENT_ONE_BLOCK", one)
+            loss, dl = cp.empty((), np.float32), cp.empty(shape, np.float32)
+            L.softmax_xent_fused_cuda(ctx, "s0", [logits, labels, dloss], [loss, dl], {})
+            ctx.stream("s0").synchronize()
+            got.append((cp.asnumpy(loss).tobytes(), cp.asnumpy(dl).tobytes()))
+        assert got[0] == got[1], shape
 
 
 @pytest.mark.parametrize("shape,lshape,dt", XENT, ids=lambda v: str(v))

@@ -778,3 +778,81 @@ def test_cublaslt_descriptors_are_the_layouts_the_gemm_comment_derives(monkeypat
     monkeypatch.setattr(gemm, "_bwd_unfused", lambda *a: lt.calls.append("unfused"))
     gemm.gemm_drelu_bgrad_cuda(ctx, "s1", [dz, w, y, mask], [dpre, db], {"ta": ta, "tb": tb})
     assert lt.calls[before:] == ["unfused"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-norm epilogues: batchnorm_train -> relu (-> add -> relu) and relu_grad -> batchnorm_grad
+
+
+RESNET = os.path.join(ROOT, "examples", "resnet_digits.sched")
+_BN = ("batchnorm_train_relu", "batchnorm_train_add_relu", "batchnorm_grad_relu")
+
+
+def _bn_chains(schedule):
+    """{(step, kernel, label without the suffix)} of the fused batch-norm tasks."""
+    return {(t.step, t.kernel, t.label.split(": ")[-1].split(" +")[0]) for t in schedule.tasks if t.kernel in _BN}
+
+
+def _resnet(tmp_path, edit=lambda s: s, name="r.sched"):
+    with open(RESNET) as f:
+        text = edit(f.read())
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_the_resnet_step_fuses_each_batch_norm_with_its_relu_and_the_relu_gradients_into_its_backward():
+    c = compile_file(RESNET)
+    assert c.ok
+    want = {("batchnorm_train_relu", "batchnorm@b1.y"), ("batchnorm_train_relu", "batchnorm@b2.y"),
+            ("batchnorm_train_add_relu", "batchnorm@b3.y"), ("batchnorm_grad_relu", "batchnorm.backward@b2.dx"),
+            ("batchnorm_grad_relu", "batchnorm.backward@b1.dx")}
+    got = _bn_chains(c.schedule)
+    assert {(k, lab) for _, k, lab in got} == want and len(got) == len(want) * c.schedule.steps
+    t = next(t for t in c.schedule.tasks if t.kernel == "batchnorm_train_add_relu" and t.step == 0)
+    assert t.args == ("c3", "b3.gamma", "b3.beta", "r1") and t.outs[0] == "r3" and t.stream == "comp2"
+    g = next(t for t in c.schedule.tasks if t.kernel == "batchnorm_grad_relu" and t.step == 0
+             and "b2" in t.label)
+    assert g.args[:3] == ("d(r2)", "r2", "c2") and g.stream == "comp2"
+    # b3's gradient reads the residual's copy of d(s), which the accumulation of r1 also reads: apart
+    assert any(t.kernel == "batchnorm_grad" and "b3" in t.label for t in c.schedule.tasks)
+    # nothing reads the intermediates any more
+    assert not any(n in t.args + t.outs for t in c.schedule.tasks for n in ("b1", "b2", "b3", "s", "d(b1)", "d(b2)"))
+
+
+def test_a_batch_norm_output_read_twice_stays_apart(tmp_path):
+    """y read by relu and by something else (here the residual add takes b1 instead of r1): the
+    relu of b1 does not fuse, b3's chain still does."""
+    c = compile_file(_resnet(tmp_path, lambda s: s.replace("s      = add(b3, r1)", "s      = add(b3, b1)")))
+    assert c.ok
+    labs = {lab for _, _, lab in _bn_chains(c.schedule)}
+    assert "batchnorm@b1.y" not in labs and "batchnorm@b2.y" in labs and "batchnorm@b3.y" in labs
+
+
+def test_a_relu_the_user_placed_on_another_stream_and_explicit_barriers_keep_the_parts_apart(tmp_path):
+    placed = compile_file(_resnet(tmp_path, lambda s: s.replace("r2     = relu(b2)", "r2     = relu(b2) on comp3")))
+    assert placed.ok
+    labs = {lab for _, _, lab in _bn_chains(placed.schedule)}
+    assert "batchnorm@b2.y" not in labs and "batchnorm@b1.y" in labs
+    c = compile_file(RESNET, policy="explicit", fuse=False)
+    f = fuse_tasks(c.schedule, c.program.kernels)
+    assert not _bn_chains(f)  # conv, bn, relu sit on three streams: the user's orders between them stay
+    one = replace(c.schedule, tasks=tuple(replace(t, stream="comp1") if t.stream != HOST else t for t in c.schedule.tasks))
+    assert _bn_chains(fuse_tasks(one, c.program.kernels))
+
+
+def test_the_switch_turns_the_batch_norm_epilogues_off(monkeypatch):
+    monkeypatch.setenv("STREAMSCHED_BN_EPILOGUES", "0")
+    c = compile_file(RESNET)
+    assert c.ok and not _bn_chains(c.schedule) and any(t.kernel == "relu" for t in c.schedule.tasks)
+
+
+@pytest.mark.parametrize("edit", ["", " on comp3"], ids=["default", "placed"])
+def test_resnet_trains_bitwise_alike_with_and_without_the_batch_norm_epilogues(tmp_path, edit):
+    path = _resnet(tmp_path, lambda s: s.replace("r2     = relu(b2)", "r2     = relu(b2)" + edit))
+    fused, plain = compile_file(path), compile_file(path, fuse=False)
+    assert _bn_chains(fused.schedule)
+    want = outcome(plain, max_steps=2)
+    for how, got in interleavings(fused, max_steps=2):
+        assert got[1] == (), how
+        assert got[0] == want[0], f"{how}: {differ(got[0], want[0])}"

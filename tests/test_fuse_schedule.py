@@ -561,7 +561,7 @@ def test_an_epilogue_never_folds_away_a_state_the_run_returns(tmp_path, text):
 
 
 @pytest.mark.parametrize("var", ["STREAMSCHED_DEAD_FILLS", "STREAMSCHED_SPLIT_UPDATES", "STREAMSCHED_HEAVY_IN_TURN",
-                                 "STREAMSCHED_CRITICAL_FIRST"])
+                                 "STREAMSCHED_CRITICAL_FIRST", "STREAMSCHED_BN_EPILOGUES"])
 def test_a_switch_that_says_something_else_is_refused_before_a_run(tmp_path, var):
     """`streamsched run` refuses a rule's switch set to anything but 1 or 0 with X004 and exit
     status 1, before any work (no traceback, nothing written); `check` reads it as the default."""

@@ -266,13 +266,13 @@ def env_choices() -> tuple:
     """The environment settings (interp/env_choice.py), each refused with X004 before a run when
     it says something else: GEMM timing, kernel priorities, skinny products (the CUDA backend's)
     and the fusion pass's scheduling rules (dead clears, updates in two launches, heavy products
-    in turn, critical path first).  Their modules are leaves (NumPy only, no CuPy)."""
+    in turn, critical path first, batch-norm epilogues).  Their modules are leaves (NumPy only, no CuPy)."""
     from streamsched.interp.cuda.gemm_tune import TUNE
-    from streamsched.interp.fuse import CRITICAL_FIRST, DEAD_FILLS, HEAVY_IN_TURN, SPLIT_UPDATES
+    from streamsched.interp.fuse import BN_EPILOGUES, CRITICAL_FIRST, DEAD_FILLS, HEAVY_IN_TURN, SPLIT_UPDATES
     from streamsched.interp.priority import PRIORITIES
     from streamsched.stdlib.kernels._cuda import SKINNY
 
-    return TUNE, PRIORITIES, SKINNY, DEAD_FILLS, SPLIT_UPDATES, HEAVY_IN_TURN, CRITICAL_FIRST
+    return TUNE, PRIORITIES, SKINNY, DEAD_FILLS, SPLIT_UPDATES, HEAVY_IN_TURN, CRITICAL_FIRST, BN_EPILOGUES
 
 
 def epoch_launch_error(value) -> str:
