@@ -324,15 +324,8 @@ def _critical_first(tasks, schedule: Schedule):
             heavy.setdefault((t.unit, t.step, t.launch), []).append(i)
     if all(len(h) < 2 for h in heavy.values()) or any(is_collective(t.kernel, t.attrs) for t in tasks):
         return tasks
-    segs = storage_segments(schedule)
-    own: dict[str, tuple[int, ...]] = {}
-
-    def seg_of(name: str) -> tuple[int, ...]:  # an undeclared name (a mask): a segment of its own
-        got = segs.get(name)
-        if got is None:
-            got = own.setdefault(name, (-1 - len(own),))
-        return got
-
+    view = _Segments(storage_segments(schedule))
+    seg_of, touches = view.of, view.touches
     nbytes = {b.name: int(b.nbytes) for b in schedule.buffers}
     # Upward ranks, one walk from the end: need[(where, segment)] is the largest rank of a task of
     # `where` that reads the segment before anything of `where` writes it again.
@@ -355,9 +348,6 @@ def _critical_first(tasks, schedule: Schedule):
                 k = (where, x)
                 if need.get(k, 0.0) < r:
                     need[k] = r
-
-    def touches(t: Task) -> tuple[set, set]:
-        return ({x for a in t.args for x in seg_of(a)}, {x for o in t.outs for x in seg_of(o)})
 
     order = list(range(len(tasks)))  # issue order, as positions into tasks
     at = list(range(len(tasks)))  # position -> its index in order
@@ -389,6 +379,26 @@ def _critical_first(tasks, schedule: Schedule):
         nid = tasks[k].id
         out.append(t if nid == t.id and after == t.after else renumbered(t, nid, after))
     return tuple(out)
+
+
+class _Segments:
+    """Storage segments by buffer name (`dependencies.storage_segments`), with a segment of its own
+    for a name no buffer declares (a relu mask the pass adds): what `_passes` compares."""
+
+    def __init__(self, segs: dict[str, tuple[int, ...]]):
+        self.segs = segs
+        self.own: dict[str, tuple[int, ...]] = {}
+
+    def of(self, name: str) -> tuple[int, ...]:
+        got = self.segs.get(name)
+        if got is None:
+            got = self.own.setdefault(name, (-1 - len(self.own),))
+        return got
+
+    def touches(self, t: Task) -> tuple[set, set]:
+        """(segments t reads, segments t writes)."""
+        of = self.of
+        return ({x for a in t.args for x in of(a)}, {x for o in t.outs for x in of(o)})
 
 
 def _passes(qt: Task, reads: set, writes: set, between, where: tuple, touches) -> bool:
@@ -500,15 +510,8 @@ def _dead_fills(schedule: Schedule, tasks, kernels, stdlib) -> tuple[Task, ...]:
         return tasks
     if not any(t.kernel == "fill" and t.stream != HOST for t in tasks):
         return tasks
-    segs = storage_segments(schedule)
-    own: dict[str, tuple[int, ...]] = {}
-
-    def seg_of(name: str) -> tuple[int, ...]:  # an undeclared name: a segment of its own
-        got = segs.get(name)
-        if got is None:
-            got = own.setdefault(name, (-1 - len(own),))
-        return got
-
+    view = _Segments(storage_segments(schedule))
+    segs, seg_of = view.segs, view.of
     trusted = {k for k in {t.kernel for t in tasks} if kernels is None or kernels.get(k) is stdlib.get(k)}
     cleared = {s for t in tasks if t.kernel == "fill" for o in t.outs for s in seg_of(o)}
     rel: dict[str, tuple[int, ...]] = {}  # name -> the cleared segments it covers
@@ -523,7 +526,7 @@ def _dead_fills(schedule: Schedule, tasks, kernels, stdlib) -> tuple[Task, ...]:
     # (a write by a host task or a user kernel that reads nothing of it observes nothing: skipped)
     pos: dict[int, list[int]] = {}
     blind: dict[int, list[bool]] = {}  # segment -> per position: overwritten (not read)
-    touching = {n for n, ss in segs.items() if not cleared.isdisjoint(ss)} | set(own)  # names on them
+    touching = {n for n, ss in segs.items() if not cleared.isdisjoint(ss)} | set(view.own)  # names on them
     rel_names: dict[tuple[str, ...], set[int]] = {}  # names -> the cleared segments they cover (steps share names)
     for i, t in enumerate(tasks):
         if touching.isdisjoint(t.args) and touching.isdisjoint(t.outs):
@@ -967,15 +970,7 @@ def _bn_epilogues(tasks, buffers, kernels, stdlib, one_stream: bool = False):
     touching = _Touching(buffers)
     readers, writers = _by_name(tasks, "args"), _by_name(tasks, "outs")
     at = {t.id: i for i, t in enumerate(tasks)}
-    segs = storage_segments(Schedule((), tuple(buffers), ()))
-    own: dict[str, tuple] = {}
-
-    def seg_of(name: str) -> tuple:
-        got = segs.get(name)
-        return got if got is not None else own.setdefault(name, (("own", name),))
-
-    def touches(t: Task) -> tuple[set, set]:
-        return ({x for a in t.args for x in seg_of(a)}, {x for o in t.outs for x in seg_of(o)})
+    touches = _Segments(storage_segments(Schedule((), tuple(buffers), ()))).touches
 
     def next_touch(name: str, i: int) -> int | None:
         ks = [at[k] for k in touching.tasks(name, readers) | touching.tasks(name, writers) if at[k] > i]

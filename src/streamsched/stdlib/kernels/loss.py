@@ -185,25 +185,49 @@ extern "C" __global__ void ss_xent_rows(const T_t* logits, const L_t* labels, do
     }
 }
 
-// loss = sum(rowloss) / n: one block (a power of two of threads, <= 1024); thread t adds rows
-// t, t + B, ... in that order, then a fixed tree in shared memory: bitwise deterministic.
-extern "C" __global__ void ss_xent_mean(const double* rowloss, D_t* loss, int n) {
-    __shared__ double part[1024];
-    int t = threadIdx.x, B = blockDim.x;
-    double acc = 0.0;
-    int i = t;
-    for (; i + 3 * B < n; i += 4 * B) {
-        double a0 = rowloss[i], a1 = rowloss[i + B], a2 = rowloss[i + 2 * B], a3 = rowloss[i + 3 * B];
-        acc += a0; acc += a1; acc += a2; acc += a3;
+// loss[0] = sum(rowloss[0..n)) / n by threads t < B of one block (B a power of two, <= 1024):
+// thread t adds rows t, t + B, ... in that order, then a fixed tree over part[0..B) in shared
+// memory: bitwise deterministic.  Every thread of the block calls it (its barriers).
+__device__ __forceinline__ void ss_mean_rows(const double* rowloss, D_t* loss, int n, int B, double* part) {
+    int t = threadIdx.x;
+    if (t < B) {
+        double acc = 0.0;
+        int i = t;
+        for (; i + 3 * B < n; i += 4 * B) {
+            double a0 = rowloss[i], a1 = rowloss[i + B], a2 = rowloss[i + 2 * B], a3 = rowloss[i + 3 * B];
+            acc += a0; acc += a1; acc += a2; acc += a3;
+        }
+        for (; i < n; i += B) acc += rowloss[i];
+        part[t] = acc;
     }
-    for (; i < n; i += B) acc += rowloss[i];
-    part[t] = acc;
     __syncthreads();
     for (int s = B >> 1; s > 0; s >>= 1) {
         if (t < s) part[t] += part[t + s];
         __syncthreads();
     }
     if (t == 0) loss[0] = (D_t)(A_t)(part[0] / n);
+}
+
+// loss = sum(rowloss) / n: one block (a power of two of threads, <= 1024), ss_mean_rows.
+extern "C" __global__ void ss_xent_mean(const double* rowloss, D_t* loss, int n) {
+    __shared__ double part[1024];
+    ss_mean_rows(rowloss, loss, n, blockDim.x, part);
+}
+
+// Row i's loss into rowloss[i] (lane 0 of its group) and its gradient row, from the row's
+// statistics (the group's lanes called ss_row_stats); the loss and the gradient of a bad label
+// are NaN.  scale: dloss / n.
+__device__ __forceinline__ void ss_row_loss_grad(const T_t* row, long long y, int c, int sub, int g, A_t mx,
+                                                 A_t lse, A_t scale, double* rowloss, long long i,
+                                                 T_t* dlogits) {
+    bool bad = y < 0 || y >= c;
+    if (sub == 0) rowloss[i] = bad ? (double)CUDART_NAN : (double)(lse - ((A_t)row[y] - mx));
+    T_t* drow = dlogits + i * (long long)c;
+    for (int j = sub; j < c; j += g) {
+        A_t p = ss_exp((A_t)row[j] - mx - lse);
+        if (j == y) p -= (A_t)1;
+        drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
+    }
 }
 
 // The loss rows and the gradient together (softmax_xent_fused): one pass of row statistics, then
@@ -219,23 +243,15 @@ extern "C" __global__ void ss_xent_fwdbwd(const T_t* logits, const L_t* labels, 
     A_t mx, lse;
     ss_row_stats(row, c, sub, g, ok, mx, lse);
     if (!ok) return;
-    bool bad = y < 0 || y >= c;
-    if (sub == 0) rowloss[i] = bad ? (double)CUDART_NAN : (double)(lse - ((A_t)row[y] - mx));
-    A_t scale = (A_t)dloss[0] / (A_t)n;
-    T_t* drow = dlogits + i * (long long)c;
-    for (int j = sub; j < c; j += g) {
-        A_t p = ss_exp((A_t)row[j] - mx - lse);
-        if (j == y) p -= (A_t)1;
-        drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
-    }
+    ss_row_loss_grad(row, y, c, sub, g, mx, lse, (A_t)dloss[0] / (A_t)n, rowloss, i, dlogits);
 }
 
 // The pair in one block where the rows are few (softmax_xent_fused, XENT_ONE_BLOCK): the groups
-// of g lanes take rows i, i + blockDim/g, ... (each row's statistics, loss and gradient row
-// computed exactly as ss_xent_fwdbwd does), the row losses go to shared memory, and threads
-// t < B (B: ss_xent_mean's block, a power of two >= 32) then add them exactly as ss_xent_mean
-// does.  Bitwise the two kernels, in one launch: the backward that waits for dlogits no longer
-// waits for a second kernel too.  n <= 1024; blockDim a multiple of g and of 32, >= B.
+// of g lanes take rows i, i + blockDim/g, ... (ss_row_stats and ss_row_loss_grad, as
+// ss_xent_fwdbwd), the row losses go to shared memory, and ss_mean_rows adds them with B
+// threads, as ss_xent_mean does.  Bitwise the two kernels, in one launch: the backward that
+// waits for dlogits no longer waits for a second kernel too.  n <= 1024; blockDim a multiple of
+// g and of 32, >= B.
 extern "C" __global__ void ss_xent_fused1(const T_t* logits, const L_t* labels, const D_t* dloss,
                                           T_t* dlogits, D_t* loss, int n, int c, int g, int lg,
                                           int B) {
@@ -252,34 +268,10 @@ extern "C" __global__ void ss_xent_fused1(const T_t* logits, const L_t* labels, 
         const T_t* row = logits + (ok ? i : 0) * (long long)c;
         A_t mx, lse;
         ss_row_stats(row, c, sub, g, ok, mx, lse);
-        if (ok) {
-            bool bad = y < 0 || y >= c;
-            if (sub == 0) rl[i] = bad ? (double)CUDART_NAN : (double)(lse - ((A_t)row[y] - mx));
-            T_t* drow = dlogits + i * (long long)c;
-            for (int j = sub; j < c; j += g) {
-                A_t p = ss_exp((A_t)row[j] - mx - lse);
-                if (j == y) p -= (A_t)1;
-                drow[j] = (T_t)(bad ? (A_t)CUDART_NAN : p * scale);
-            }
-        }
+        if (ok) ss_row_loss_grad(row, y, c, sub, g, mx, lse, scale, rl, i, dlogits);
     }
     __syncthreads();
-    if (t < B) {
-        double acc = 0.0;
-        int i = t;
-        for (; i + 3 * B < n; i += 4 * B) {
-            double a0 = rl[i], a1 = rl[i + B], a2 = rl[i + 2 * B], a3 = rl[i + 3 * B];
-            acc += a0; acc += a1; acc += a2; acc += a3;
-        }
-        for (; i < n; i += B) acc += rl[i];
-        part[t] = acc;
-    }
-    __syncthreads();
-    for (int s = B >> 1; s > 0; s >>= 1) {
-        if (t < s) part[t] += part[t + s];
-        __syncthreads();
-    }
-    if (t == 0) loss[0] = (D_t)(A_t)(part[0] / n);
+    ss_mean_rows(rl, loss, n, B, part);
 }
 
 // dlogits = dloss * (softmax(z) - onehot(label)) / n; g lanes per row, softmax recomputed.
